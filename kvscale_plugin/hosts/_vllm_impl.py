@@ -1,0 +1,287 @@
+"""vLLM classes for ``--quantization kvscale`` (imported only by ``hosts.vllm.register``).
+
+Thin translation from vLLM's quantization API to the host-independent core:
+``scheme.judge_kv_cache_scheme`` decides, ``names.map_scale_name`` maps,
+``scales.resolve_kv_scales`` resolves. Nothing here decides policy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+    CompressedTensorsConfig,
+    CompressedTensorsKVCacheMethod,
+)
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.model_executor.models.utils import WeightsMapper
+from vllm.model_executor.utils import is_weights_pre_processed
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import is_quantized_kv_cache
+
+from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin.names import map_scale_name
+from kvscale_plugin.scales import (
+    SENTINEL,
+    CorruptScaleError,
+    ScaleSource,
+    format_corrupt_scales,
+    resolve_kv_scales,
+    scale_problem,
+    unscaled,
+)
+from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
+
+HOST = "vllm"
+_SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+_ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
+
+NO_CHECKPOINT_CONFIG = (
+    "kvscale: --quantization kvscale needs a compressed-tensors checkpoint, but this "
+    "model's config.json has no 'quantization_config' (or 'compression_config'). "
+    "Drop --quantization kvscale for an unquantized model, or point vLLM at a checkpoint "
+    "exported by llm-compressor with a kv_cache_scheme."
+)
+
+
+class _HookRenaming:
+    """Duck-typed ``transformers`` ``WeightRenaming``: vLLM's ``WeightsMapper`` keeps
+    renamings through ``|`` (a ``WeightsMapper`` subclass would be lost there) and
+    applies them before its regexes, so our hook-driven names win over stock rules."""
+
+    def __init__(self, model_type: str | None) -> None:
+        self.model_type = model_type
+
+    def rename_source_key(self, key: str) -> tuple[str, None]:
+        mapped = map_scale_name(key, HOST, self.model_type)
+        return (mapped if mapped is not None else key), None
+
+
+class KVScaleConfig(CompressedTensorsConfig):
+    """compressed-tensors config whose attention layers get calibrated FP8 KV scales.
+
+    Linear / MoE weight schemes are handled by vLLM's compressed-tensors code as
+    usual. ``kv_cache_scheme`` is exposed only when the scheme is supported, which
+    is what makes ``--kv-cache-dtype auto`` pick an FP8 pool exactly then.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not args and not kwargs:
+            # vLLM calls Cls() when the checkpoint has no quantization config.
+            raise ValueError(NO_CHECKPOINT_CONFIG)
+        super().__init__(*args, **kwargs)
+        self.declared_kv_cache_scheme = self.kv_cache_scheme
+        self.kv_verdict: SchemeVerdict = judge_kv_cache_scheme(self.kv_cache_scheme)
+        if self.kv_verdict.declared and not self.kv_verdict.supported:
+            warn_once(
+                f"unsupported-scheme:{self.kv_verdict.reason}",
+                "kvscale: kv_cache_scheme %s is not supported: %s. Serving with an "
+                "unscaled KV cache (checkpoint k/v scales are ignored; "
+                "--kv-cache-dtype auto keeps the model dtype).",
+                dict(self.declared_kv_cache_scheme)
+                if isinstance(self.declared_kv_cache_scheme, dict)
+                else self.declared_kv_cache_scheme,
+                self.kv_verdict.reason,
+            )
+            self.kv_cache_scheme = None
+        elif self.kv_verdict.supported:
+            logger.info("kvscale: kv_cache_scheme %s", self.kv_verdict.describe())
+        self.model_type: str | None = None
+        # Checkpoint tensors whose loaded value cannot be served: name -> why.
+        self.corrupt_scales: dict[str, str] = {}
+        self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
+            weakref.WeakValueDictionary()
+        )
+
+    def get_name(self) -> str:  # type: ignore[override]
+        return QUANTIZATION_METHOD
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
+        if user_quant == QUANTIZATION_METHOD and (
+            hf_quant_cfg.get("quant_method") == "compressed-tensors"
+        ):
+            return QUANTIZATION_METHOD
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Any = None):
+        super().maybe_update_config(model_name, hf_config=hf_config, revision=revision)
+        self.model_type = getattr(hf_config, "model_type", None)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
+        # The scheme's keys are field names, never module paths: keep it as declared.
+        scheme = self.kv_cache_scheme
+        super().apply_vllm_mapper(hf_to_vllm_mapper)
+        self.kv_cache_scheme = scheme
+
+    def get_cache_scale_mapper(self) -> WeightsMapper:  # type: ignore[override]
+        stock = QuantizationConfig.get_cache_scale_mapper()
+        if not self.kv_verdict.declared:
+            return stock
+        return WeightsMapper(orig_to_new_renaming=[_HookRenaming(self.model_type)]) | stock
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, Attention):
+            if not self.kv_verdict.declared:
+                return None  # no scheme: no scale parameters, exactly as without the plugin
+            return KVScaleKVCacheMethod(self)
+        return super().get_quant_method(layer, prefix)
+
+
+class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
+    """Per-layer KV scales: sentinel placeholders, checkpoint-first resolution.
+
+    Subclasses ``CompressedTensorsKVCacheMethod`` because vLLM's attention layer
+    special-cases it, but skips its constructor (which raises on unsupported
+    schemes); the weights follow ``BaseKVCacheMethod``.
+    """
+
+    is_kvscale = True
+
+    def __init__(self, quant_config: KVScaleConfig) -> None:
+        BaseKVCacheMethod.__init__(self, quant_config)
+        self.quant_config: KVScaleConfig = quant_config
+
+    def create_weights(self, layer: torch.nn.Module) -> None:
+        # Called again on every in-place reload: build fresh placeholders each time.
+        layer_name = getattr(layer, "layer_name", type(layer).__name__)
+        self.quant_config._attention_layers[layer_name] = layer
+        for name in _SCALE_NAMES:
+            # float32 explicitly: vLLM builds layers under the model's default dtype
+            # (bf16), which would round a calibrated 3.8649 to 3.8594.
+            param = torch.nn.Parameter(
+                torch.tensor(SENTINEL, dtype=torch.float32), requires_grad=False
+            )
+            param.weight_loader = _scale_loader(
+                self.quant_config.corrupt_scales, f"{layer_name}.{name}"
+            )
+            # A dummy load must leave the sentinel, not tiny random "scales".
+            param.dummy_weight_value = SENTINEL
+            setattr(layer, name, param)
+        for name in _ZERO_POINT_NAMES:
+            param = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+            param.weight_loader = _zero_point_loader(f"{layer_name}.{name}")
+            param.dummy_weight_value = 0.0
+            setattr(layer, name, param)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if is_weights_pre_processed():
+            BaseKVCacheMethod.process_weights_after_loading(self, layer)
+            return
+        if not hasattr(layer, "k_scale"):
+            return  # placeholders already consumed (e.g. a reload that carried no scales)
+
+        cfg = self.quant_config
+        loaded = {name: float(getattr(layer, name).item()) for name in _SCALE_NAMES}
+        applies = cfg.kv_verdict.supported and is_quantized_kv_cache(layer.kv_cache_dtype)
+        if applies and cfg.corrupt_scales:
+            raise CorruptScaleError(format_corrupt_scales(cfg.corrupt_scales))
+
+        fnuz = current_platform.is_fp8_fnuz()
+        if applies:
+            resolved = resolve_kv_scales(loaded["k_scale"], loaded["v_scale"], fnuz=fnuz)
+            if resolved.source is ScaleSource.DEFAULT and not _is_dummy_load():
+                _warn_missing_scales(cfg)
+            q_scale = (
+                loaded["q_scale"] * (2.0 if fnuz else 1.0)
+                if loaded["q_scale"] != SENTINEL
+                else resolved.k
+            )
+        else:
+            resolved = unscaled()
+            q_scale = 1.0
+
+        _write_scales(layer, resolved.k, resolved.v, q_scale)
+        layer.kvscale_source = resolved.source.value
+        for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
+            delattr(layer, name)
+
+
+def _write_scales(layer: torch.nn.Module, k: float, v: float, q: float) -> None:
+    """Update device tensors in place (kernels and CUDA graphs hold them), then host copies."""
+    layer._k_scale.fill_(k)
+    layer._v_scale.fill_(v)
+    layer._q_scale.fill_(q)
+    layer._prob_scale.fill_(1.0)
+    layer._k_scale_float = k
+    layer._v_scale_float = v
+    layer._q_scale_float = q
+    layer._prob_scale_float = 1.0
+    for name, value in (("_k_scale_cpu", k), ("_v_scale_cpu", v)):
+        host = getattr(layer, name, None)
+        if isinstance(host, torch.Tensor):
+            host.fill_(value)
+        else:
+            setattr(layer, name, torch.tensor(value, dtype=torch.float32))
+
+
+# Loaders are plain functions (not functools.partial): vLLM's in-place reload
+# wraps them and reads their __name__; its replay binds the first argument "param".
+def _scale_loader(corrupt: dict[str, str], tensor_name: str) -> Callable[..., None]:
+    def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        why = scale_problem(loaded_weight)
+        if why is not None:
+            corrupt[tensor_name] = why  # reported, with every other bad tensor, after loading
+            return
+        corrupt.pop(tensor_name, None)
+        param.data.copy_(loaded_weight.detach().reshape(()).to(param.dtype))
+
+    return load_kv_scale
+
+
+def _zero_point_loader(tensor_name: str) -> Callable[..., None]:
+    def load_kv_zero_point(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        # Symmetric schemes only: a zero point is accepted and dropped.
+        if loaded_weight.numel() and bool((loaded_weight.float() != 0).any()):
+            warn_once(
+                f"zero-point:{tensor_name}",
+                "kvscale: checkpoint tensor '%s' holds a non-zero zero point; KV-cache "
+                "quantization is symmetric here, so it is ignored.",
+                tensor_name,
+            )
+
+    return load_kv_zero_point
+
+
+def _is_dummy_load() -> bool:
+    # A dummy load (RL / benchmarking) carries no scales by design; the real
+    # weights come later through an in-place reload.
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return config is not None and str(config.load_config.load_format) == "dummy"
+
+
+def _warn_missing_scales(cfg: KVScaleConfig) -> None:
+    missing = sorted(
+        name
+        for name, layer in cfg._attention_layers.items()
+        if hasattr(layer, "k_scale")
+        and float(layer.k_scale.item()) == SENTINEL
+        and float(layer.v_scale.item()) == SENTINEL
+    )
+    shown = ", ".join(missing[:4]) + (f", ... ({len(missing)} layers)" if len(missing) > 4 else "")
+    warn_once(
+        "scales-missing",
+        "kvscale: the checkpoint declares a kv_cache_scheme but has no k_scale/v_scale "
+        "tensors for %s; those layers use scale 1.0, which clips K/V beyond +-448. "
+        "Calibrate the checkpoint's KV cache with llm-compressor, or serve with "
+        "--kv-cache-dtype bfloat16.",
+        shown or "some attention layers",
+    )
+
+
+def register_quantization() -> None:
+    register_quantization_config(QUANTIZATION_METHOD)(KVScaleConfig)

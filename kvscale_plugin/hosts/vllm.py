@@ -1,0 +1,80 @@
+"""vLLM entry point (``vllm.general_plugins: kvscale``).
+
+vLLM loads general plugins in every process (API server, engine core, each
+worker), so ``register`` is idempotent. vLLM is imported only inside it; the
+classes that subclass vLLM's live in ``_vllm_impl`` and are imported lazily.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin._log import logger, warn_once
+
+#: vLLM releases this adapter is tested against (it leans on internals that move).
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+
+_registered = False
+_lock = threading.Lock()
+
+
+def _base_version(version: str) -> str:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).base_version
+    except InvalidVersion:
+        return version
+
+
+def register() -> None:
+    """Register the ``kvscale`` quantization method (and the CUSTOM attention backend)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        import vllm
+
+        found = _base_version(getattr(vllm, "__version__", "unknown"))
+        if found not in TESTED_VLLM_VERSIONS:
+            warn_once(
+                "vllm-version",
+                "kvscale: vLLM %s is not a version this plugin was tested with (%s); "
+                "it relies on vLLM internals that change between releases. If start-up "
+                "fails, install a tested vLLM or a kvscale-plugin release for your vLLM.",
+                found,
+                ", ".join(TESTED_VLLM_VERSIONS),
+            )
+        try:
+            from kvscale_plugin.hosts import _vllm_impl
+        except (ImportError, AttributeError) as exc:
+            raise RuntimeError(
+                f"kvscale: cannot hook into vLLM {found} (tested: "
+                f"{', '.join(TESTED_VLLM_VERSIONS)}): {type(exc).__name__}: {exc}. "
+                "Install a tested vLLM version, or uninstall kvscale-plugin."
+            ) from exc
+        _vllm_impl.register_quantization()
+        _register_backend()
+        _registered = True
+        logger.debug("kvscale: registered quantization method '%s'", QUANTIZATION_METHOD)
+
+
+def _register_backend() -> None:
+    # The fused Triton cache-write backend is optional: a failure there must not
+    # take the scale loading (the part every platform needs) down with it.
+    try:
+        from kvscale_plugin.hosts.vllm_backend import register_backend
+    except ImportError:
+        return
+    try:
+        register_backend()
+    except Exception as exc:  # noqa: BLE001 - reported, and scale loading keeps working
+        warn_once(
+            "vllm-backend",
+            "kvscale: the CUSTOM attention backend (fused FP8 cache write) could not be "
+            "registered: %s: %s. Scales are still loaded; --attention-backend CUSTOM is "
+            "unavailable.",
+            type(exc).__name__,
+            exc,
+        )

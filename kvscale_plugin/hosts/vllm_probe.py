@@ -1,0 +1,158 @@
+"""Build a real in-process vLLM engine and read back what it loaded (tests and ``kvscale demo``).
+
+In-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) lets a caller read the
+attention layers directly from the engine's forward context.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: KV cache size for tiny test models: explicit, or start-up fails on memory utilization.
+KV_CACHE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class LayerScales:
+    """What one attention layer holds after loading."""
+
+    name: str
+    k: float  # device tensor (read by kernels)
+    v: float
+    k_float: float  # Python floats (read by the CPU backend)
+    v_float: float
+    k_cpu: float  # host copies
+    v_cpu: float
+    kv_cache_dtype: str  # the layer's resolved cache dtype string ("fp8", "bfloat16", ...)
+    pool_dtype: torch.dtype | None  # dtype of the allocated KV cache tensor
+    source: str | None  # kvscale's resolution ("checkpoint", "duplicated", ...), None if stock
+    k_ptr: int
+    v_ptr: int
+
+    @property
+    def pool_is_fp8(self) -> bool:
+        # The CPU backend stores FP8 as uint8.
+        return self.pool_dtype in (torch.uint8, torch.float8_e4m3fn)
+
+
+def prepare_in_process_env() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+@contextmanager
+def vllm_engine(
+    model_dir: str | os.PathLike[str],
+    *,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    load_format: str = "auto",
+    **extra: Any,
+) -> Iterator[Any]:
+    """An in-process ``vllm.LLM`` on ``model_dir``, torn down on exit."""
+    prepare_in_process_env()
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        load_format=load_format,
+        enforce_eager=True,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        block_size=32,
+        dtype="bfloat16",
+        max_model_len=512,
+        seed=0,
+    )
+    kwargs.update(extra)
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm: Any) -> None:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: the engine may be half built
+        pass
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def attention_layers(llm: Any) -> dict[str, torch.nn.Module]:
+    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    return {name: layer for name, layer in ctx.items() if hasattr(layer, "_k_scale")}
+
+
+def layer_scales(llm: Any) -> dict[str, LayerScales]:
+    """Per-layer scales as the engine holds them (device tensor, float, CPU copy)."""
+    out = {}
+    for name, layer in attention_layers(llm).items():
+        cache = layer.kv_cache
+        if isinstance(cache, (list, tuple)):
+            cache = cache[0] if cache else None
+        out[name] = LayerScales(
+            name=name,
+            k=float(layer._k_scale.reshape(-1)[0]),
+            v=float(layer._v_scale.reshape(-1)[0]),
+            k_float=float(layer._k_scale_float),
+            v_float=float(layer._v_scale_float),
+            k_cpu=float(layer._k_scale_cpu),
+            v_cpu=float(layer._v_scale_cpu),
+            kv_cache_dtype=str(layer.kv_cache_dtype),
+            pool_dtype=getattr(cache, "dtype", None),
+            source=getattr(layer, "kvscale_source", None),
+            k_ptr=layer._k_scale.data_ptr(),
+            v_ptr=layer._v_scale.data_ptr(),
+        )
+    return out
+
+
+def layer_index(name: str) -> int:
+    """``model.layers.3.self_attn.attn`` -> 3."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+def teacher_forced_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float]:
+    """Logprob of each token of ``token_ids`` given its prefix (first token excluded)."""
+    from vllm import SamplingParams
+
+    out = llm.generate(
+        [{"prompt_token_ids": list(token_ids)}],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+        use_tqdm=False,
+    )
+    result = []
+    for tok, entry in zip(token_ids[1:], out[0].prompt_logprobs[1:], strict=True):
+        result.append(float(entry[tok].logprob))
+    return result
+
+
+def logprob_error(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """(mean, max) absolute difference between two teacher-forced logprob runs."""
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return sum(diffs) / len(diffs), max(diffs)
+
+
+def reload_weights(llm: Any, model_dir: str | os.PathLike[str]) -> None:
+    """In-place reload of ``model_dir``'s safetensors into the running engine (RL weight sync)."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    files = sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": safetensors_weights_iterator(files, False)}
+    )

@@ -1,0 +1,154 @@
+"""Checkpoint KV-scale names -> host parameter names.
+
+The built-in rules below are an ordinary pluggy plugin of the ``kvscale``
+project (see ``hookspecs.py``); third-party rule packages found under the
+entry-point group ``kvscale_plugin`` are registered next to them and are asked
+first. Both hosts (vLLM, SGLang) name the attention layer's scales
+``<attention module>.attn.{k,v,q}_scale``.
+
+Only tensor *names* are mapped here. The ``kv_cache_scheme`` dict is never
+passed through this mapping: its keys are field names, not module paths.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+
+import pluggy
+
+from kvscale_plugin import hookspecs
+from kvscale_plugin._log import logger, warn_once
+
+ENTRY_POINT_GROUP = "kvscale_plugin"
+HOSTS = ("vllm", "sglang")
+
+# Attention module names in the wild; MTP / draft layers (``mtp.layers.N``,
+# ``model.layers.{num_layers}``, ``model.mtp_layers.N``) only change the prefix,
+# which every rule keeps as it is.
+_ATTN = r"(?:self_attn|self_attention|attention|mixer)"
+_PROJ = r"(?:[qkv]|qkv|qk|qkqkv)_proj"
+
+_RULES: list[tuple[re.Pattern[str], str]] = [
+    # Already in host form.
+    (
+        re.compile(rf"^(?P<base>.+\.{_ATTN}\.attn)\.(?P<kind>[qkv])_scale$"),
+        r"\g<base>.\g<kind>_scale",
+    ),
+    # self_attn.k_scale, self_attn.k_proj.k_scale (ModelOpt), self_attn.qkv_proj.k_scale (Qwen)
+    (
+        re.compile(rf"^(?P<base>.+\.{_ATTN})\.(?:{_PROJ}\.)?(?P<kind>[qkv])_scale$"),
+        r"\g<base>.attn.\g<kind>_scale",
+    ),
+    # Older llm-compressor: the k/v projection's output activation scale is the cache scale.
+    (
+        re.compile(rf"^(?P<base>.+\.{_ATTN})\.(?P<kind>[qkv])_proj\.output_scale$"),
+        r"\g<base>.attn.\g<kind>_scale",
+    ),
+    # Symmetric schemes only: zero points are accepted (and dropped by the KV method).
+    (
+        re.compile(rf"^(?P<base>.+\.{_ATTN})\.(?:{_PROJ}\.)?(?:attn\.)?(?P<kind>[qkv])_zero_point$"),
+        r"\g<base>.attn.\g<kind>_zero_point",
+    ),
+    (
+        re.compile(rf"^(?P<base>.+\.{_ATTN})\.(?P<kind>[qkv])_proj\.output_zero_point$"),
+        r"\g<base>.attn.\g<kind>_zero_point",
+    ),
+]
+
+# Legacy single scale for k and v: loaded as k, duplicated to v by the scale rules.
+_LEGACY_KV_SCALE = re.compile(rf"^(?P<base>.+\.{_ATTN})(?:\.{_PROJ}|\.attn)?\.kv_scale$")
+
+
+class BuiltinRules:
+    """The plugin's own naming rules, registered through the public hook."""
+
+    @hookspecs.hookimpl(trylast=True)
+    def kvscale_map_scale_name(self, name: str, host: str, model_type: str | None) -> str | None:
+        if host not in HOSTS:
+            return None
+        if (match := _LEGACY_KV_SCALE.match(name)) is not None:
+            warn_once(
+                "legacy-kv_scale",
+                "kvscale: checkpoint tensor '%s' uses the deprecated single 'kv_scale' "
+                "convention; it is loaded as k_scale and duplicated to v_scale. Re-export "
+                "the checkpoint with separate k_scale/v_scale tensors.",
+                name,
+            )
+            return f"{match['base']}.attn.k_scale"
+        for pattern, replacement in _RULES:
+            if pattern.match(name):
+                return pattern.sub(replacement, name)
+        return None
+
+
+_manager: pluggy.PluginManager | None = None
+_manager_lock = threading.Lock()
+
+
+def _load_third_party(pm: pluggy.PluginManager) -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:  # a broken rule package must not take the server down
+            warn_once(
+                f"third-party:{ep.name}",
+                "kvscale: name-mapping rule package '%s' (entry point '%s' in group '%s') "
+                "failed to load and is ignored: %s: %s. Fix or uninstall that package.",
+                ep.name,
+                ep.value,
+                ENTRY_POINT_GROUP,
+                type(exc).__name__,
+                exc,
+            )
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager: built-in rules plus installed rule packages."""
+    global _manager
+    with _manager_lock:
+        if _manager is None:
+            pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+            pm.add_hookspecs(hookspecs)
+            pm.register(BuiltinRules(), name="kvscale-builtin")
+            _load_third_party(pm)
+            _manager = pm
+        return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Drop the cached manager so installed rule packages are discovered again."""
+    global _manager
+    with _manager_lock:
+        _manager = None
+
+
+def map_scale_name(name: str, host: str, model_type: str | None = None) -> str | None:
+    """Host parameter name for checkpoint tensor ``name``; None if it is not a KV scale."""
+    return get_plugin_manager().hook.kvscale_map_scale_name(
+        name=name, host=host, model_type=model_type
+    )
+
+
+def is_kv_scale_target(name: str) -> bool:
+    """Whether a host parameter name is an attention KV-scale / zero-point placeholder."""
+    return bool(re.search(r"\.attn\.[qkv]_(?:scale|zero_point)$", name))
+
+
+def make_name_mapper(host: str, model_type: str | None = None) -> Callable[[str], str]:
+    """A ``name -> name`` function for a host loader: mapped when a rule applies, else unchanged."""
+
+    def mapper(name: str) -> str:
+        mapped = map_scale_name(name, host, model_type)
+        if mapped is not None and mapped != name:
+            logger.debug("kvscale: %s -> %s", name, mapped)
+            return mapped
+        return name
+
+    return mapper

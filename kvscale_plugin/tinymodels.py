@@ -1,0 +1,293 @@
+"""Tiny compressed-tensors checkpoints built locally (no downloads), for tests and the demo.
+
+The model is "boosted but compensated": ``k_proj`` / ``v_proj`` are multiplied
+by ``boost`` and ``q_proj`` / ``o_proj`` divided by it, so the bf16 outputs are
+unchanged while K/V values reach ~1,000 -- beyond FP8 e4m3's 448. An FP8 cache
+then stays close to the bf16 reference only when the calibrated scales are used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: What llm-compressor writes for an FP8 per-tensor static KV cache.
+FP8_KV_SCHEME: dict[str, Any] = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+    "group_size": None,
+    "block_structure": None,
+    "actorder": None,
+    "observer": "minmax",
+    "observer_kwargs": {},
+}
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "FP8 key value caches halve the memory of long context serving.",
+    "Calibrated scales keep every attention layer inside the representable range.",
+    "A tiny model is enough to tell a right scale from a wrong one.",
+    "Paged attention stores keys and values in fixed size blocks.",
+    "Numbers like 448, 1000 and 0.5 appear in quantization papers.",
+]
+#: The fixed text whose teacher-forced logprobs compare engines.
+REFERENCE_TEXT = (
+    "Calibrated scales keep every attention layer inside the representable range, "
+    "and the quick brown fox jumps over the lazy dog while paged attention stores "
+    "keys and values in fixed size blocks."
+)
+
+#: Where a checkpoint stores its k/v scales, per naming convention ("{i}" = layer).
+NAMINGS: dict[str, tuple[str, str | None]] = {
+    "self_attn": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.v_scale"),
+    "k_proj": (
+        "model.layers.{i}.self_attn.k_proj.k_scale",
+        "model.layers.{i}.self_attn.v_proj.v_scale",
+    ),
+    "qkv_proj": (
+        "model.layers.{i}.self_attn.qkv_proj.k_scale",
+        "model.layers.{i}.self_attn.qkv_proj.v_scale",
+    ),
+    "output_scale": (
+        "model.layers.{i}.self_attn.k_proj.output_scale",
+        "model.layers.{i}.self_attn.v_proj.output_scale",
+    ),
+    "kv_scale": ("model.layers.{i}.self_attn.kv_scale", None),
+}
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+@dataclass
+class TinySpec:
+    """What to build. ``scales`` maps layer index -> (k, v); None means calibrate."""
+
+    family: str = "llama"
+    num_layers: int = 2
+    seed: int = 0
+    boost: float = 1000.0
+    kv_cache_scheme: Mapping[str, Any] | None = field(default_factory=lambda: dict(FP8_KV_SCHEME))
+    naming: str = "self_attn"
+    write_scales: bool = True
+    scales: Mapping[int, tuple[float, float]] | None = None
+    extra_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    num_shards: int = 1
+    # Write a compressed-tensors quantization_config (with or without a kv_cache_scheme).
+    quantization_config: bool = True
+
+
+def _tokenizer_files(cache_dir: Path) -> Path:
+    """Train (once, cached) a small byte-level BPE tokenizer on CORPUS."""
+    tok_dir = cache_dir / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        return tok_dir
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tmp = tok_dir.with_name(f"tokenizer.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": 2048,
+            }
+        )
+    )
+    try:
+        tmp.rename(tok_dir)
+    except OSError:  # another process won the race
+        pass
+    return tok_dir
+
+
+def _hf_config(spec: TinySpec, vocab_size: int) -> Any:
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        rms_norm_eps=1e-6,
+    )
+    if spec.family == "llama":
+        return transformers.LlamaConfig(**common)
+    if spec.family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if spec.family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if spec.family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+            decoder_sparse_step=1, mlp_only_layers=[],
+        )
+    if spec.family == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(f"unknown family {spec.family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def build_tiny_checkpoint(out_dir: str | os.PathLike[str], spec: TinySpec | None = None,
+                          *, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write a tiny compressed-tensors checkpoint to ``out_dir`` and return its path.
+
+    Also writes ``kvscale_tiny.json`` with the scales that were stored (per layer),
+    so tests and the demo can compare what an engine loaded against it.
+    """
+    import transformers
+    from safetensors.torch import save_file
+
+    spec = spec or TinySpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Path(cache_dir) if cache_dir else out.parent
+    tok_dir = _tokenizer_files(cache)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+
+    config = _hf_config(spec, vocab_size=len(tokenizer))
+    torch.manual_seed(spec.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        # Random init is small; make the network non-trivial and boost K/V.
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.k_proj.weight.mul_(spec.boost)
+            attn.v_proj.weight.mul_(spec.boost)
+            attn.q_proj.weight.div_(spec.boost)
+            attn.o_proj.weight.div_(spec.boost)
+            for proj in (attn.k_proj, attn.v_proj, attn.q_proj):
+                if getattr(proj, "bias", None) is not None:
+                    scale = spec.boost if proj is not attn.q_proj else 1.0 / spec.boost
+                    proj.bias.mul_(scale)
+
+    scales = dict(spec.scales) if spec.scales is not None else _calibrate(model, tokenizer)
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    stored: dict[int, dict[str, float]] = {}
+    if spec.kv_cache_scheme is not None and spec.write_scales:
+        k_pat, v_pat = NAMINGS[spec.naming]
+        for i in range(spec.num_layers):
+            k, v = scales[i]
+            if v_pat is None:  # legacy single scale: the larger one covers both
+                kv = max(k, v)
+                sd[k_pat.format(i=i)] = torch.tensor([kv], dtype=torch.float32)
+                stored[i] = {"k": kv, "v": kv}
+            else:
+                sd[k_pat.format(i=i)] = torch.tensor([k], dtype=torch.float32)
+                sd[v_pat.format(i=i)] = torch.tensor([v], dtype=torch.float32)
+                stored[i] = {"k": k, "v": v}
+    for name, tensor in spec.extra_tensors.items():
+        sd[name] = tensor
+    _save_shards(out, sd, spec.num_shards, save_file)
+
+    cfg = config.to_dict()
+    cfg["torch_dtype"] = "bfloat16"
+    cfg["architectures"] = [type(model).__name__]
+    if spec.quantization_config:
+        cfg["quantization_config"] = {
+            "config_groups": {},
+            "format": "dense",
+            "global_compression_ratio": None,
+            "ignore": [],
+            "kv_cache_scheme": (
+                dict(spec.kv_cache_scheme) if spec.kv_cache_scheme is not None else None
+            ),
+            "quant_method": "compressed-tensors",
+            "quantization_status": "compressed",
+        }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    for f in tok_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    (out / "kvscale_tiny.json").write_text(
+        json.dumps({"naming": spec.naming, "family": spec.family, "stored_scales": stored,
+                    "calibrated_scales": {i: list(s) for i, s in scales.items()}}, indent=2)
+    )
+    return out
+
+
+def _save_shards(out: Path, sd: dict[str, torch.Tensor], num_shards: int, save_file: Any) -> None:
+    names = list(sd)
+    if num_shards <= 1:
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map: dict[str, str] = {}
+    per = -(-len(names) // num_shards)
+    for s in range(num_shards):
+        fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: sd[n] for n in names[s * per : (s + 1) * per]}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+def _calibrate(model: Any, tokenizer: Any) -> dict[int, tuple[float, float]]:
+    """Per-layer amax/448 of K (after RoPE) and V over the corpus, as llm-compressor would."""
+    amax: dict[int, list[float]] = {}
+    hooks = []
+
+    def make_hook(i: int, kind: int) -> Any:
+        def hook(_m: Any, _inp: Any, output: torch.Tensor) -> None:
+            cur = amax.setdefault(i, [0.0, 0.0])
+            cur[kind] = max(cur[kind], float(output.detach().abs().max()))
+
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.k_proj.register_forward_hook(make_hook(i, 0)))
+        hooks.append(layer.self_attn.v_proj.register_forward_hook(make_hook(i, 1)))
+    with torch.no_grad():
+        for text in [*CORPUS, REFERENCE_TEXT]:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            model(ids)
+    for h in hooks:
+        h.remove()
+    # RoPE rotates pairs of K elements: allow sqrt(2) headroom on K.
+    return {
+        i: (round(k * 1.4142 / 448.0, 6), round(v / 448.0, 6)) for i, (k, v) in amax.items()
+    }
+
+
+def read_stored_scales(model_dir: str | os.PathLike[str]) -> dict[int, dict[str, float]]:
+    """The per-layer k/v scales ``build_tiny_checkpoint`` stored."""
+    meta = json.loads((Path(model_dir) / "kvscale_tiny.json").read_text())
+    return {int(i): v for i, v in meta["stored_scales"].items()}
+
+
+def reference_token_ids(model_dir: str | os.PathLike[str]) -> Sequence[int]:
+    """Token ids of ``REFERENCE_TEXT`` under the checkpoint's tokenizer."""
+    import transformers
+
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(Path(model_dir) / "tokenizer.json")
+    )
+    return tok(REFERENCE_TEXT)["input_ids"]

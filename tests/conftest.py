@@ -1,0 +1,64 @@
+"""Test-wide setup: in-process vLLM engines, private caches, tiny local checkpoints."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before vLLM is imported anywhere: in-process engines (attention layers readable),
+# caches and temp files in a private folder.
+_ROOT = tempfile.mkdtemp(prefix="kvscale-tests-")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_ROOT, "vllm-cache"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import logging  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvscale_plugin._log import reset_warnings  # noqa: E402
+from kvscale_plugin.tinymodels import TinySpec, build_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> None:
+    # warn_once is per process; each test must see its own warnings.
+    reset_warnings()
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_cache: Path) -> Callable[..., Path]:
+    """``tiny(name, **TinySpec fields)`` -> a checkpoint dir, built once per session."""
+    built: dict[str, Path] = {}
+
+    def make(name: str, **fields: object) -> Path:
+        if name not in built:
+            built[name] = build_tiny_checkpoint(
+                tiny_cache / name, TinySpec(**fields), cache_dir=tiny_cache
+            )
+        return built[name]
+
+    return make
+
+
+@pytest.fixture
+def kvscale_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], list[str]]:
+    """Messages the plugin logged at WARNING that contain a substring."""
+    caplog.set_level(logging.WARNING, logger="kvscale_plugin")
+
+    def matching(text: str) -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name.startswith("kvscale_plugin") and text in r.getMessage()
+        ]
+
+    return matching
