@@ -103,6 +103,17 @@ class KVScaleConfig(CompressedTensorsConfig):
             weakref.WeakValueDictionary()
         )
 
+    # The config travels to the engine-core / worker processes by pickle; the
+    # registry of live attention layers is per process.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_attention_layers", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._attention_layers = weakref.WeakValueDictionary()
+
     def get_name(self) -> str:  # type: ignore[override]
         return QUANTIZATION_METHOD
 

@@ -156,3 +156,13 @@ def reload_weights(llm: Any, model_dir: str | os.PathLike[str]) -> None:
     llm.collective_rpc(
         "reload_weights", kwargs={"weights_iterator": safetensors_weights_iterator(files, False)}
     )
+
+
+def model_kv_scales(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """``llm.apply_model`` target (importable, so it works across processes):
+    per attention layer (k, v) device-tensor scales, for whatever process holds the model."""
+    return {
+        name: (float(m._k_scale.reshape(-1)[0]), float(m._v_scale.reshape(-1)[0]))
+        for name, m in model.named_modules()
+        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
+    }

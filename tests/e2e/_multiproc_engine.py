@@ -1,0 +1,24 @@
+"""Run by test_vllm_processes.py in a fresh interpreter: vLLM's default multiprocessing
+mode (engine core in a spawned process), where the plugin is found only through its
+installed entry point. Prints one JSON line."""
+
+import json
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+
+    from kvscale_plugin.hosts.vllm_probe import KV_CACHE_BYTES, model_kv_scales
+
+    model_dir, ids = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=model_dir, quantization="kvscale", enforce_eager=True,
+              kv_cache_memory_bytes=KV_CACHE_BYTES, block_size=32, dtype="bfloat16",
+              max_model_len=512, seed=0)
+    scales = llm.apply_model(model_kv_scales)
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    tokens = list(out[0].outputs[0].token_ids)
+    print("RESULT " + json.dumps({"scales": scales, "tokens": tokens}))

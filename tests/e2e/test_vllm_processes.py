@@ -1,0 +1,116 @@
+"""Discovery through the installed entry point, in vLLM's own processes.
+
+No test here imports the plugin into the engine by hand: the engine core and the
+OpenAI server find `kvscale` through the `vllm.general_plugins` entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from kvscale_plugin.hosts.vllm_probe import KV_CACHE_BYTES, layer_index, vllm_engine
+from kvscale_plugin.tinymodels import read_stored_scales, reference_token_ids
+
+pytestmark = pytest.mark.engine
+HERE = Path(__file__).parent
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["TMPDIR"] = str(tmp_path)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
+def test_entry_point_is_installed():
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("kvscale") == "kvscale_plugin.hosts.vllm:register"
+
+
+def _greedy_tokens_in_process(model_dir: Path, ids: list[int]) -> list[int]:
+    from vllm import SamplingParams
+
+    with vllm_engine(model_dir, quantization="kvscale") as llm:
+        out = llm.generate([{"prompt_token_ids": ids}],
+                           SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+
+def test_multiprocessing_mode_loads_scales(tiny, tmp_path):
+    ckpt = tiny("default", num_layers=2)
+    ids = list(reference_token_ids(ckpt))[:24]
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_multiproc_engine.py"), str(ckpt), json.dumps(ids)],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=240,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    (scales,) = result["scales"]  # one worker
+    stored = read_stored_scales(ckpt)
+    assert len(scales) == len(stored)
+    for name, (k, v) in scales.items():
+        assert k == pytest.approx(stored[layer_index(name)]["k"], rel=1e-6)
+        assert v == pytest.approx(stored[layer_index(name)]["v"], rel=1e-6)
+    assert result["tokens"] == _greedy_tokens_in_process(ckpt, ids)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_answers_like_in_process_engine(tiny, tmp_path):
+    ckpt = tiny("default", num_layers=2)
+    ids = list(reference_token_ids(ckpt))[:24]
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+        "--quantization", "kvscale", "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--block-size", "32", "--dtype", "bfloat16",
+        "--max-model-len", "512", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--seed", "0",
+    ]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(cmd, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not become ready in 180 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        body = json.dumps({"model": str(ckpt), "prompt": ids, "max_tokens": 8,
+                           "temperature": 0.0, "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    choice = answer["choices"][0]
+    tokens = choice.get("token_ids")
+    assert tokens, answer
+    server_log = (tmp_path / "server.log").read_text()
+    assert "kvscale" in server_log
+    assert tokens == _greedy_tokens_in_process(ckpt, ids)
