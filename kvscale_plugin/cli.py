@@ -1,0 +1,56 @@
+"""The ``kvscale`` console script: ``kvscale inspect MODEL_DIR`` and ``kvscale demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvscale_plugin import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvscale_plugin import demo
+
+    parser = argparse.ArgumentParser(
+        prog="kvscale",
+        description="Calibrated FP8 KV-cache scales for vLLM and SGLang (kvscale-plugin).",
+    )
+    parser.add_argument("--version", action="version", version=f"kvscale-plugin {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="what a checkpoint's KV scales will do, without starting an engine",
+        description="Read config.json and safetensors headers (and only the scale tensors' "
+        "bytes) and report the KV scheme verdict, every scale tensor, its host name, "
+        "problems, and what stock vLLM 0.32 would do compared to kvscale. Exit status: "
+        "0 fine, 1 problems that change what is served, 2 unusable input.",
+    )
+    inspect.add_argument("model_dir", help="checkpoint directory (config.json + *.safetensors)")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("--host", choices=("vllm", "sglang"), default="vllm")
+
+    demo_parser = sub.add_parser(
+        "demo",
+        help="stock vLLM vs kvscale on real engines, on built-in tiny checkpoints",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_arguments(demo_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "inspect":
+        from kvscale_plugin.inspection import run_inspect
+
+        return run_inspect(args.model_dir, as_json=args.json, host=args.host)
+    from kvscale_plugin import demo
+
+    return demo.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

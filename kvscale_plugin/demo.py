@@ -1,0 +1,282 @@
+"""``kvscale demo``: stock vLLM vs ``--quantization kvscale`` on real engines, side by side.
+
+Default run (no arguments, no downloads): builds (and caches) the tiny "boosted but
+compensated" checkpoint of ``tinymodels`` in several variants, then runs a real vLLM
+engine on each -- a bf16-cache reference, stock vLLM with an FP8 cache, and vLLM with
+``--quantization kvscale`` -- and prints, per variant and engine, the scales that
+reached the layers and the teacher-forced logprob error against the reference.
+``--model DIR`` runs the same comparison on your own checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvscale_plugin.tinymodels import FP8_KV_SCHEME, REFERENCE_TEXT, TinySpec
+
+#: Built-in variants: name -> (what it shows, checkpoint spec).
+VARIANTS: dict[str, tuple[str, TinySpec]] = {
+    "per-tensor": ("calibrated per-layer self_attn.k/v_scale", TinySpec(num_layers=3)),
+    "kv_scale-only": (
+        "legacy single kv_scale per layer",
+        TinySpec(num_layers=3, naming="kv_scale"),
+    ),
+    "output_scale": (
+        "k_proj/v_proj.output_scale naming",
+        TinySpec(num_layers=3, naming="output_scale"),
+    ),
+    "scales-missing": (
+        "scheme declared, no scale tensors",
+        TinySpec(num_layers=3, write_scales=False),
+    ),
+    "unsupported": (
+        "per-channel scheme (unsupported)",
+        TinySpec(num_layers=3, kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "channel"}),
+    ),
+}
+
+#: engine label -> (quantization, kv_cache_dtype)
+ENGINES: dict[str, tuple[str | None, str]] = {
+    "stock-fp8": (None, "fp8"),
+    "kvscale": ("kvscale", "auto"),
+}
+
+
+@dataclass
+class EngineResult:
+    variant: str
+    engine: str
+    started: bool
+    error: str | None = None
+    k_scales: list[float] = field(default_factory=list)
+    v_scales: list[float] = field(default_factory=list)
+    cache_dtype: str | None = None
+    mean_err: float | None = None
+    max_err: float | None = None
+    seconds: float = 0.0
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvscale-plugin" / "demo"
+
+
+def _build_variants(cache: Path, log: Callable[[str], None]) -> dict[str, Path]:
+    from kvscale_plugin.tinymodels import build_tiny_checkpoint
+
+    dirs = {}
+    for name, (_, spec) in VARIANTS.items():
+        target = cache / name
+        if not (target / "kvscale_tiny.json").exists():
+            log(f"building tiny checkpoint '{name}' in {target}")
+            build_tiny_checkpoint(target, spec, cache_dir=cache)
+        dirs[name] = target
+    return dirs
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}"[:160]
+
+
+def _run_engine(
+    model_dir: Path, quantization: str | None, kv_cache_dtype: str, ids: Sequence[int],
+    extra: dict[str, Any],
+) -> tuple[list[float], dict[str, Any]]:
+    from kvscale_plugin.hosts.vllm_probe import (
+        layer_index,
+        layer_scales,
+        teacher_forced_logprobs,
+        vllm_engine,
+    )
+
+    with vllm_engine(model_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                     **extra) as llm:
+        scales = sorted(layer_scales(llm).values(), key=lambda s: layer_index(s.name))
+        logprobs = teacher_forced_logprobs(llm, ids)
+    info = {
+        "k": [s.k for s in scales],
+        "v": [s.v for s in scales],
+        "cache": "fp8" if all(s.pool_is_fp8 for s in scales)
+        else str(scales[0].pool_dtype).replace("torch.", "").replace("bfloat16", "bf16"),
+    }
+    return logprobs, info
+
+
+def _token_ids(model_dir: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return list(tok(REFERENCE_TEXT)["input_ids"])
+
+
+def run_comparison(
+    variants: dict[str, Path], reference_dir: Path, log: Callable[[str], None],
+    extra: dict[str, Any] | None = None,
+) -> list[EngineResult]:
+    """Reference run on ``reference_dir`` (bf16 cache), then every variant x engine."""
+    from kvscale_plugin.hosts.vllm_probe import logprob_error
+
+    extra = extra or {}
+    ids = _token_ids(reference_dir)
+    total = 1 + len(variants) * len(ENGINES)
+    log(f"[1/{total}] bf16-cache reference: starting engine ...")
+    try:
+        reference, _ = _run_engine(reference_dir, None, "bfloat16", ids, extra)
+    except Exception:  # stock may refuse the checkpoint: kvscale with a bf16 cache is the same
+        reference, _ = _run_engine(reference_dir, "kvscale", "bfloat16", ids, extra)
+    results = []
+    step = 1
+    for variant, path in variants.items():
+        for engine, (quant, dtype) in ENGINES.items():
+            step += 1
+            log(f"[{step}/{total}] {engine} on '{variant}': starting engine ...")
+            t0 = time.perf_counter()
+            try:
+                logprobs, info = _run_engine(path, quant, dtype, ids, extra)
+            except Exception as exc:  # noqa: BLE001 - a refusal to start is a result here
+                results.append(EngineResult(variant, engine, started=False,
+                                            error=_short_error(exc),
+                                            seconds=time.perf_counter() - t0))
+                continue
+            mean_err, max_err = logprob_error(logprobs, reference)
+            results.append(EngineResult(
+                variant, engine, started=True, k_scales=info["k"], v_scales=info["v"],
+                cache_dtype=info["cache"], mean_err=mean_err, max_err=max_err,
+                seconds=time.perf_counter() - t0,
+            ))
+    return results
+
+
+def _fmt_scales(values: list[float]) -> str:
+    return " ".join(f"{v:.3g}" for v in values)
+
+
+def render_table(results: list[EngineResult]) -> str:
+    head = (f"{'variant':<15}{'engine':<11}{'cache':<10}{'k scales':<20}{'v scales':<20}"
+            f"{'mean|dlp|':>10}{'max|dlp|':>10}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if not r.started:
+            lines.append(f"{r.variant:<15}{r.engine:<11}refused to start: {r.error}")
+            continue
+        lines.append(
+            f"{r.variant:<15}{r.engine:<11}{r.cache_dtype or '?':<10}"
+            f"{_fmt_scales(r.k_scales):<20}{_fmt_scales(r.v_scales):<20}"
+            f"{r.mean_err:>10.4f}{r.max_err:>10.3f}"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(results: list[EngineResult], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(r.variant for r in results))
+    engines = list(dict.fromkeys(r.engine for r in results))
+    fig, (ax_err, ax_k) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(engines)
+    for j, engine in enumerate(engines):
+        xs, ys = [], []
+        for i, variant in enumerate(variants):
+            r = next(x for x in results if x.variant == variant and x.engine == engine)
+            xs.append(i + j * width)
+            ys.append(r.mean_err if r.started else 0.0)
+            if not r.started:
+                ax_err.text(i + j * width, 0.001, "refused", rotation=90, ha="center",
+                            va="bottom", fontsize=8)
+        ax_err.bar(xs, ys, width=width, label=engine)
+    ax_err.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(variants))])
+    ax_err.set_xticklabels(variants, rotation=15)
+    ax_err.set_ylabel("mean |Δ logprob| vs bf16 cache")
+    ax_err.set_title("teacher-forced logprob error")
+    ax_err.legend()
+    started = [r for r in results if r.started and r.v_scales]
+    for n, r in enumerate(started):
+        # Small x offsets keep coinciding lines visible.
+        offset = (n - len(started) / 2) * 0.03
+        style = "-" if r.engine == "kvscale" else "--"
+        ax_k.plot([i + offset for i in range(len(r.v_scales))], r.v_scales, style, marker="o",
+                  label=f"{r.variant} / {r.engine}")
+    ax_k.set_xlabel("layer")
+    ax_k.set_ylabel("v_scale held by the layer")
+    ax_k.set_title("per-layer v scales that reached the engine (1.0 = uncalibrated)")
+    ax_k.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None, *, out: Any = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kvscale demo", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv), out=out)
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--model", help="your own compressed-tensors checkpoint directory")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where built-in checkpoints are cached (default ~/.cache/...)")
+    parser.add_argument("--out", type=Path, default=Path("kvscale-demo.png"),
+                        help="PNG to write (default ./kvscale-demo.png)")
+    parser.add_argument("--json", type=Path, default=None, help="also write results as JSON")
+    parser.add_argument("--verbose", action="store_true", help="keep vLLM's own logs")
+
+
+def run(args: Any, *, out: Any = None) -> int:
+    out = out or sys.stdout
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    t0 = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {message}", file=out, flush=True)
+
+    extra: dict[str, Any] = {}
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            print(f"kvscale demo: {model} is not a checkpoint directory (no config.json)",
+                  file=sys.stderr)
+            return 2
+        variants, reference_dir = {model.name: model}, model
+        if _has_gpu():
+            extra = {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.85,
+                     "max_model_len": 2048}
+    else:
+        cache = args.cache_dir or default_cache_dir()
+        log(f"built-in tiny checkpoints (cached in {cache})")
+        variants = _build_variants(cache, log)
+        reference_dir = variants["per-tensor"]
+    results = run_comparison(variants, reference_dir, log, extra)
+    print("", file=out)
+    print("Teacher-forced logprob error against a bf16-cache run of the same weights "
+          "(lower is better):", file=out)
+    print(render_table(results), file=out)
+    png = write_plot(results, args.out)
+    print(f"\nplot: {png}", file=out)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        print(f"json: {args.json}", file=out)
+    log("done")
+    return 0
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

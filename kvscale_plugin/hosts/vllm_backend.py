@@ -1,0 +1,193 @@
+"""vLLM attention backend whose FP8 KV-cache write is kvscale's fused kernel.
+
+Select it with ``--attention-backend CUSTOM`` (``vllm.LLM(...,
+attention_backend="CUSTOM")``) after ``register_backend()`` has run
+(the plugin's ``vllm.general_plugins`` entry point does it in every process).
+It is vLLM's Triton attention backend in every respect but one: for a layer
+whose KV method is kvscale's and whose cache is FP8 e4m3, the cache write
+(``do_kv_cache_update``) goes through ``kvscale_plugin.kernels.fp8_cache_write``,
+which reads ``layer._k_scale`` / ``layer._v_scale`` on the device at every call
+(CUDA-graph replays and in-place reloads see the current scales). Every other
+layer, cache dtype and platform is left to the parent class untouched.
+
+Loading this module imports nothing from vLLM. The backend classes, and with
+them vLLM's Triton backend and our kernel, are built on first attribute access
+(PEP 562 ``__getattr__``), which is how vLLM resolves the registered class
+path. Registration therefore stays cheap in processes that never build an
+attention layer (the API server), and on the CPU platform, which ignores the
+selection, nothing but one registry entry changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvscale_plugin._log import logger, warn_once
+
+BACKEND_NAME = "CUSTOM"
+BACKEND_CLASS_PATH = f"{__name__}.KVScaleTritonAttentionBackend"
+"""What ``AttentionBackendEnum.CUSTOM`` resolves to once registered."""
+
+_CLASS_NAMES = ("KVScaleTritonAttentionBackend", "KVScaleTritonAttentionImpl")
+
+# Bound when the classes are built; a module global (looked up at call time) so
+# that tests can substitute it.
+fp8_cache_write: Callable[..., None] | None = None
+
+_build_lock = threading.Lock()
+_classes: dict[str, type] = {}
+
+
+def register_backend() -> bool:
+    """Make ``--attention-backend CUSTOM`` select kvscale's Triton backend.
+
+    Idempotent and cheap (imports vLLM's backend registry only). Returns True
+    when ``AttentionBackendEnum.CUSTOM`` points at our backend afterwards,
+    False when another package already owns ``CUSTOM`` (left as it is, with one
+    warning) or this vLLM has no ``CUSTOM`` slot.
+    """
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.attention.backends.registry import register_backend as vllm_register
+
+        custom = AttentionBackendEnum.CUSTOM
+    except (ImportError, AttributeError) as exc:
+        warn_once(
+            "vllm-backend-unavailable",
+            "kvscale: this vLLM has no AttentionBackendEnum.CUSTOM (%s); the fused FP8 "
+            "cache write is unavailable and vLLM's own cache write is used.",
+            exc,
+        )
+        return False
+    if custom.is_overridden():
+        current = custom.get_path()
+        if current == BACKEND_CLASS_PATH:
+            return True
+        warn_once(
+            "vllm-backend-taken",
+            "kvscale: AttentionBackendEnum.CUSTOM is already registered to %s; not "
+            "replacing it. '--attention-backend CUSTOM' will select that backend, not "
+            "kvscale's fused FP8 cache write.",
+            current,
+        )
+        return False
+    vllm_register(custom, BACKEND_CLASS_PATH)
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLASS_NAMES:
+        return _build_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_kvscale_layer(layer: object) -> bool:
+    """Whether ``layer``'s KV method is kvscale's (its class sets ``is_kvscale = True``).
+
+    ``is True`` rather than truthiness: a mock or an unrelated method with a
+    truthy attribute of that name must not route the layer here.
+    """
+    return getattr(getattr(layer, "quant_method", None), "is_kvscale", False) is True
+
+
+def _build_classes() -> dict[str, type]:
+    with _build_lock:
+        if not _classes:
+            _classes.update(_define_classes())
+            globals().update(_classes)
+    return _classes
+
+
+def _define_classes() -> dict[str, type]:
+    global fp8_cache_write
+
+    import torch
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.triton_attn import (
+        TritonAttentionBackend,
+        TritonAttentionImpl,
+    )
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    from kvscale_plugin.kernels import fp8_cache_write as kernel
+    from kvscale_plugin.kernels import use_hardware_conversion
+
+    if fp8_cache_write is None:
+        fp8_cache_write = kernel
+    input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    logged: set[str] = set()
+
+    class KVScaleTritonAttentionImpl(TritonAttentionImpl):
+        """Triton attention; kvscale layers with an FP8 e4m3 cache write through our kernel."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # The static half of the routing decision, settled once per layer so
+            # that the per-step check is two attribute reads. Our kernel writes
+            # e4m3fn with per-tensor or per-head scales only: e5m2, ROCm's fnuz
+            # formats and per-token-head caches stay with the parent, as do
+            # encoder layers (which have no cache).
+            self.kvscale_cache_ok = (
+                self.kv_cache_dtype in ("fp8", "fp8_e4m3")
+                and self.fp8_dtype == torch.float8_e4m3fn
+                and self._kv_quant_mode == KVQuantMode.FP8_PER_TENSOR
+                and self.attn_type not in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
+            )
+
+        def do_kv_cache_update(
+            self,
+            layer: torch.nn.Module,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            slot_mapping: torch.Tensor,
+        ) -> None:
+            if not (
+                self.kvscale_cache_ok and is_kvscale_layer(layer) and key.dtype in input_dtypes
+            ):
+                super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+                return
+            if "ours" not in logged:
+                logged.add("ours")
+                logger.info(
+                    "kvscale: FP8 KV cache written by the fused kernel (%s conversion).",
+                    "hardware" if use_hardware_conversion(key.device) else "software",
+                )
+            # Same views as the parent: (blocks, heads, slots, 2*hs) ->
+            # (blocks, slots, heads, hs) halves for K and V. key/value may hold
+            # more (CUDA-graph padding) rows than slot_mapping; the kernel writes
+            # len(slot_mapping) tokens, as vLLM's kernels do.
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            fp8_cache_write(
+                key,
+                value,
+                key_cache,
+                value_cache,
+                slot_mapping,
+                layer._k_scale,
+                layer._v_scale,
+            )
+
+    class KVScaleTritonAttentionBackend(TritonAttentionBackend):
+        """vLLM's Triton attention backend with kvscale's fused FP8 cache write."""
+
+        @staticmethod
+        def get_name() -> str:
+            # vLLM maps the name back to the enum (AttentionBackendEnum[name]).
+            return BACKEND_NAME
+
+        @staticmethod
+        def get_impl_cls() -> type[KVScaleTritonAttentionImpl]:
+            return KVScaleTritonAttentionImpl
+
+    classes: dict[str, type] = {
+        "KVScaleTritonAttentionBackend": KVScaleTritonAttentionBackend,
+        "KVScaleTritonAttentionImpl": KVScaleTritonAttentionImpl,
+    }
+    for cls_name, cls in classes.items():
+        # Defined inside a function, but addressed (by vLLM's class path and by
+        # pickle) as module attributes.
+        cls.__qualname__ = cls_name
+    return classes

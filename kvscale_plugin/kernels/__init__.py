@@ -1,0 +1,27 @@
+"""FP8 KV-cache write: the Triton kernel and its plain-torch reference.
+
+Importing this package imports ``triton``; nothing in the package root imports
+it, so hosts without Triton (and the CPU tests that must set
+``TRITON_INTERPRET`` first) decide when it is loaded.
+
+``kvscale_plugin.kernels.fp8_cache_write`` is the function (the Liger-style
+one-op module of the same name is shadowed by it as a package attribute); the
+module itself is ``importlib.import_module("kvscale_plugin.kernels.fp8_cache_write")``.
+"""
+
+from kvscale_plugin.kernels.fp8_cache_write import (
+    CONVERSION_ENV,
+    Conversion,
+    fp8_cache_write,
+    use_hardware_conversion,
+)
+from kvscale_plugin.kernels.reference import fp8_cache_write_reference, quantize_e4m3_reference
+
+__all__ = [
+    "CONVERSION_ENV",
+    "Conversion",
+    "fp8_cache_write",
+    "fp8_cache_write_reference",
+    "quantize_e4m3_reference",
+    "use_hardware_conversion",
+]
