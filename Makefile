@@ -24,10 +24,16 @@ $(VENV)/.kvscale-installed: pyproject.toml Makefile
 	$(PY) -c "import vllm, kvscale_plugin, pluggy, compressed_tensors; print('vllm', vllm.__version__)"
 	touch $@
 
+# A test-only third-party rule package (one good rule, one broken on purpose), installed
+# so that its entry points are discovered the way a user's package would be.
+$(VENV)/.kvscale-test-rules: $(VENV)/.kvscale-installed tests/rule_package/pyproject.toml
+	$(PIP) install -q --no-deps -e tests/rule_package $(QUIET)
+	touch $@
+
 lint: venv
 	$(PY) -m ruff check .
 
-test: venv lint
+test: venv lint $(VENV)/.kvscale-test-rules
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: venv

@@ -76,7 +76,8 @@ class TinySpec:
     seed: int = 0
     boost: float = 1000.0
     kv_cache_scheme: Mapping[str, Any] | None = field(default_factory=lambda: dict(FP8_KV_SCHEME))
-    naming: str = "self_attn"
+    # One NAMINGS key for every layer, or one per layer (cycled) to mix conventions.
+    naming: str | Sequence[str] = "self_attn"
     write_scales: bool = True
     scales: Mapping[int, tuple[float, float]] | None = None
     extra_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
@@ -192,8 +193,9 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike[str], spec: TinySpec | None
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     stored: dict[int, dict[str, float]] = {}
     if spec.kv_cache_scheme is not None and spec.write_scales:
-        k_pat, v_pat = NAMINGS[spec.naming]
+        namings = [spec.naming] if isinstance(spec.naming, str) else list(spec.naming)
         for i in range(spec.num_layers):
+            k_pat, v_pat = NAMINGS[namings[i % len(namings)]]
             k, v = scales[i]
             if v_pat is None:  # legacy single scale: the larger one covers both
                 kv = max(k, v)

@@ -7,6 +7,7 @@ Thin translation from vLLM's quantization API to the host-independent core:
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -54,17 +55,29 @@ NO_CHECKPOINT_CONFIG = (
 )
 
 
+_UNMAPPED_PREFIX = "__kvscale_unmapped__."
+
+
 class _HookRenaming:
     """Duck-typed ``transformers`` ``WeightRenaming``: vLLM's ``WeightsMapper`` keeps
     renamings through ``|`` (a ``WeightsMapper`` subclass would be lost there) and
-    applies them before its regexes, so our hook-driven names win over stock rules."""
+    applies them before its regexes, so our hook-driven names win over stock rules.
 
-    def __init__(self, model_type: str | None) -> None:
-        self.model_type = model_type
+    A KV-scale name whose target attention layer does not exist in this model is
+    renamed under ``_UNMAPPED_PREFIX`` (dropped by a regex of the same mapper) and
+    reported in one warning, instead of crashing the loader or vanishing."""
+
+    def __init__(self, config: KVScaleConfig) -> None:
+        self.config = config
 
     def rename_source_key(self, key: str) -> tuple[str, None]:
-        mapped = map_scale_name(key, HOST, self.model_type)
-        return (mapped if mapped is not None else key), None
+        mapped = map_scale_name(key, HOST, self.config.model_type)
+        if mapped is None:
+            return key, None
+        if not self.config.has_attention_layer_for(mapped):
+            self.config.unmapped_scales.add(key)
+            return _UNMAPPED_PREFIX + key, None
+        return mapped, None
 
 
 class KVScaleConfig(CompressedTensorsConfig):
@@ -99,6 +112,8 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.model_type: str | None = None
         # Checkpoint tensors whose loaded value cannot be served: name -> why.
         self.corrupt_scales: dict[str, str] = {}
+        # Checkpoint KV-scale tensors that name no attention layer of this model.
+        self.unmapped_scales: set[str] = set()
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
@@ -141,7 +156,23 @@ class KVScaleConfig(CompressedTensorsConfig):
         stock = QuantizationConfig.get_cache_scale_mapper()
         if not self.kv_verdict.declared:
             return stock
-        return WeightsMapper(orig_to_new_renaming=[_HookRenaming(self.model_type)]) | stock
+        ours = WeightsMapper(
+            orig_to_new_renaming=[_HookRenaming(self)],
+            orig_to_new_regex={re.compile("^" + re.escape(_UNMAPPED_PREFIX)): None},
+        )
+        return ours | stock
+
+    def has_attention_layer_for(self, param_name: str) -> bool:
+        """Whether a mapped ``<layer>.{k,v,q}_scale`` name targets an attention layer
+        this process built (suffix match: the model may prefix checkpoint names)."""
+        layers = list(self._attention_layers)
+        if not layers or _pipeline_parallel():
+            return True  # cannot tell here: leave the name to vLLM's loader
+        target = param_name.rsplit(".", 1)[0]
+        return any(
+            name == target or name.endswith("." + target) or target.endswith("." + name)
+            for name in layers
+        )
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, Attention):
@@ -195,6 +226,8 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             return  # placeholders already consumed (e.g. a reload that carried no scales)
 
         cfg = self.quant_config
+        if cfg.unmapped_scales:
+            _warn_unmapped(cfg.unmapped_scales)
         loaded = {name: float(getattr(layer, name).item()) for name in _SCALE_NAMES}
         applies = cfg.kv_verdict.supported and is_quantized_kv_cache(layer.kv_cache_dtype)
         if applies and cfg.corrupt_scales:
@@ -264,6 +297,27 @@ def _zero_point_loader(tensor_name: str) -> Callable[..., None]:
             )
 
     return load_kv_zero_point
+
+
+def _pipeline_parallel() -> bool:
+    from vllm.distributed import get_pp_group
+
+    try:
+        return get_pp_group().world_size > 1
+    except AssertionError:  # no distributed group yet
+        return False
+
+
+def _warn_unmapped(names: set[str]) -> None:
+    shown = sorted(names)
+    warn_once(
+        "unmapped-scales",
+        "kvscale: %d KV-scale tensor(s) in the checkpoint name no attention layer of this "
+        "model and were not loaded: %s. If they belong to layers this model does build, "
+        "add a name-mapping rule (entry-point group 'kvscale_plugin', see the README).",
+        len(shown),
+        ", ".join(shown),
+    )
 
 
 def _is_dummy_load() -> bool:

@@ -1,0 +1,72 @@
+"""Name mapping on real vLLM engines: the naming zoo across model families, a
+third-party rule package discovered through its entry point, unmapped names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscale_plugin.hosts.vllm_probe import layer_index, layer_scales, vllm_engine
+from kvscale_plugin.tinymodels import read_stored_scales
+
+pytestmark = pytest.mark.engine
+
+ZOO = ("self_attn", "k_proj", "qkv_proj", "output_scale", "kv_scale")
+
+
+def _assert_loaded(ckpt, scales):
+    stored = read_stored_scales(ckpt)
+    assert len(scales) == len(stored)
+    for name, s in scales.items():
+        want = stored[layer_index(name)]
+        assert (s.k, s.k_float, s.k_cpu) == pytest.approx((want["k"],) * 3, rel=1e-6), name
+        assert (s.v, s.v_float, s.v_cpu) == pytest.approx((want["v"],) * 3, rel=1e-6), name
+        assert s.pool_is_fp8
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_naming_zoo_per_family(tiny, family):
+    # Layer i uses naming ZOO[i]: every convention in one engine per family.
+    zero_points = {
+        f"model.layers.{i}.self_attn.{kind}_zero_point": torch.zeros(1)
+        for i in range(len(ZOO)) for kind in "kv"
+    }
+    ckpt = tiny(f"zoo-{family}", family=family, num_layers=len(ZOO), naming=ZOO,
+                extra_tensors=zero_points)
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        _assert_loaded(ckpt, layer_scales(llm))
+
+
+def test_third_party_rule_package(tiny, kvscale_warnings):
+    invented = {}
+    for i, (k, v) in enumerate([(2.25, 3.5), (4.75, 5.125)]):
+        invented[f"model.layers.{i}.attention.kv_quant.k"] = torch.tensor([k])
+        invented[f"model.layers.{i}.attention.kv_quant.v"] = torch.tensor([v])
+    ckpt = tiny("invented-naming", write_scales=False, extra_tensors=invented)
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        scales = layer_scales(llm)
+    got = {layer_index(n): (s.k, s.v) for n, s in scales.items()}
+    assert got == {0: (2.25, 3.5), 1: (4.75, 5.125)}
+    # The deliberately broken rule package in the same distribution: one warning, named.
+    broken = kvscale_warnings("'broken_rules'")
+    assert len(broken) <= 1  # once per process (it may have been reported by an earlier test)
+
+
+def test_unmapped_scale_names_one_warning(tiny, kvscale_warnings):
+    stray = {
+        "model.layers.7.self_attn.k_scale": torch.tensor([3.0]),
+        "model.layers.9.self_attn.v_proj.v_scale": torch.tensor([3.0]),
+    }
+    ckpt = tiny("stray-names", extra_tensors=stray)
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        scales = layer_scales(llm)
+    _assert_loaded(ckpt, scales)
+    warnings = kvscale_warnings("name no attention layer")
+    assert len(warnings) == 1, warnings
+    assert "model.layers.7.self_attn.k_scale" in warnings[0]
+    assert "model.layers.9.self_attn.v_proj.v_scale" in warnings[0]
+
+    # Stock vLLM refuses to start on the same checkpoint.
+    with pytest.raises(ValueError, match="no module or parameter named .layers.7"):
+        with vllm_engine(ckpt):
+            pass

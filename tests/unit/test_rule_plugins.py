@@ -1,0 +1,51 @@
+"""Third-party rule packages, discovered through the installed `kvscale_plugin` entry points
+(tests/rule_package is installed into the test environment by `make test`)."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+
+from kvscale_plugin.names import get_plugin_manager, map_scale_name, reset_plugin_manager
+
+
+@pytest.fixture
+def fresh_manager():
+    reset_plugin_manager()
+    yield get_plugin_manager
+    reset_plugin_manager()
+
+
+def _installed() -> set[str]:
+    return {ep.name for ep in entry_points(group="kvscale_plugin")}
+
+
+pytestmark = pytest.mark.skipif(
+    "example_rules" not in _installed(),
+    reason="tests/rule_package is not installed (make test installs it)",
+)
+
+
+def test_third_party_rule_is_consulted(fresh_manager):
+    assert (map_scale_name("model.layers.4.attention.kv_quant.k", "vllm")
+            == "model.layers.4.self_attn.attn.k_scale")
+    # Built-ins still answer for everything else.
+    assert (map_scale_name("model.layers.4.self_attn.k_scale", "sglang")
+            == "model.layers.4.self_attn.attn.k_scale")
+
+
+def test_third_party_rules_run_before_builtins(fresh_manager):
+    pm = fresh_manager()
+    order = [pm.get_name(impl.plugin) for impl in pm.hook.kvscale_map_scale_name.get_hookimpls()]
+    # pluggy calls the last entries first.
+    assert order[-1] == "example_rules" and order[0] == "kvscale-builtin"
+
+
+def test_broken_package_warns_once_and_is_skipped(fresh_manager, kvscale_warnings):
+    pm = fresh_manager()
+    assert pm.get_plugin("broken_rules") is None
+    map_scale_name("model.layers.0.self_attn.k_scale", "vllm")
+    warnings = kvscale_warnings("'broken_rules'")
+    assert len(warnings) == 1
+    assert "failed to load" in warnings[0] and "RuntimeError" in warnings[0]
