@@ -47,6 +47,8 @@ class CorruptScaleError(ValueError):
 def scale_problem(value: torch.Tensor | float) -> str | None:
     """Why a loaded scale cannot be used, or None when it is a valid per-tensor scale."""
     if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            return f"dtype {value.dtype} is not a float scale (expected float32/bf16/fp16)"
         if value.numel() != 1:
             return (
                 f"shape {tuple(value.shape)} is not a per-tensor scalar "

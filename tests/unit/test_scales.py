@@ -65,3 +65,8 @@ def test_one_error_names_every_bad_tensor():
     assert "a.k_scale" in text and "c.v_scale" in text and "d.k_scale" in text
     assert "b.k_scale" not in text
     assert text.count("\n  - ") == 3
+
+
+def test_non_float_dtype_is_rejected():
+    assert "dtype torch.int32" in scale_problem(torch.tensor([3], dtype=torch.int32))
+    assert scale_problem(torch.tensor([3.0], dtype=torch.bfloat16)) is None

@@ -1,0 +1,486 @@
+"""`kvscale inspect` on generated checkpoints: reported values, stock vs kvscale, exit codes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvscale_plugin import hookimpl
+from kvscale_plugin.inspection import (
+    SCHEMA_VERSION,
+    inspect_checkpoint,
+    render_text,
+    report_to_json,
+    run_inspect,
+)
+from kvscale_plugin.names import get_plugin_manager
+from kvscale_plugin.tinymodels import FP8_KV_SCHEME, read_stored_scales
+
+SCALES = {0: (0.125, 0.25), 1: (0.5, 0.75), 2: (1.5, 2.5)}
+TOP_LEVEL_KEYS = {
+    "schema_version", "tool", "kvscale_version", "model_dir", "host", "model_type",
+    "num_hidden_layers", "attention_layers", "mtp_layers", "checkpoint", "scheme", "stock",
+    "kvscale", "mapping", "problems", "layers", "tensors", "exit_status",
+}  # fmt: skip
+
+
+def _strict_json(text: str) -> dict:
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name} in output")
+
+    return json.loads(text, parse_constant=no_constants)
+
+
+def _inspect(capsys, model_dir: Path, host: str = "vllm") -> tuple[int, dict]:
+    """The command path with --json: exit status and the parsed output."""
+    status = run_inspect(str(model_dir), as_json=True, host=host)
+    out = capsys.readouterr().out
+    data = _strict_json(out)
+    assert data["exit_status"] == status
+    return status, data
+
+
+def _layer(data: dict, index: int) -> dict:
+    return next(r for r in data["layers"] if r["index"] == index and not r["mtp"])
+
+
+def _codes(data: dict, severity: str | None = None) -> set[str]:
+    return {p["code"] for p in data["problems"] if severity in (None, p["severity"])}
+
+
+def _t(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor([value], dtype=dtype)
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------ namings
+
+
+@pytest.mark.parametrize(
+    ("naming", "stock_outcome"),
+    [
+        ("self_attn", "loads"),
+        ("k_proj", "loads"),
+        ("qkv_proj", "loads"),
+        ("output_scale", "fails"),  # stock: AttributeError in the QKV loader
+        ("kv_scale", "loads"),  # stock: v_scale stays 1.0
+    ],
+)
+def test_each_naming_maps_to_the_host_parameter(tiny, capsys, naming, stock_outcome):
+    model = tiny(f"inspect_{naming}", num_layers=3, naming=naming, scales=SCALES)
+    stored = read_stored_scales(model)
+    status, data = _inspect(capsys, model)
+    assert status == 0
+    assert _codes(data, "error") == set()
+    assert data["scheme"]["supported"] and data["num_hidden_layers"] == 3
+    assert data["checkpoint"]["bytes_read"] < data["checkpoint"]["total_bytes"] / 100
+    for i in range(3):
+        row = _layer(data, i)
+        assert row["layer"] == f"model.layers.{i}.self_attn"
+        assert row["k"]["naming"] == naming
+        assert row["k"]["value"] == pytest.approx(stored[i]["k"])
+        assert row["kvscale"]["k"] == pytest.approx(stored[i]["k"])
+        assert row["kvscale"]["v"] == pytest.approx(stored[i]["v"])
+        assert row["stock"]["outcome"] == stock_outcome
+    targets = {t["name"]: t["target"] for t in data["tensors"]}
+    assert all(
+        tgt.startswith("model.layers.") and tgt.endswith((".attn.k_scale", ".attn.v_scale"))
+        for tgt in targets.values()
+    )
+    if naming == "kv_scale":
+        row = _layer(data, 1)
+        assert row["v"] is None and row["kvscale"]["source"] == "duplicated"
+        assert row["stock"]["v"] == 1.0 and "v_scale stays 1.0" in row["stock"]["note"]
+        assert "legacy_kv_scale" in _codes(data, "warning")
+    else:
+        assert {r["kvscale"]["source"] for r in data["layers"]} == {"checkpoint"}
+    if naming == "output_scale":
+        assert data["stock"]["outcome"] == "fails" and "AttributeError" in data["stock"]["summary"]
+        assert data["kvscale"]["outcome"] == "starts"
+    else:
+        assert data["stock"]["outcome"] == "starts"
+    if stock_outcome == "loads" and naming != "kv_scale":
+        assert _layer(data, 2)["stock"]["v"] == pytest.approx(2.5)
+
+
+def test_sharded_checkpoint(tiny, capsys):
+    model = tiny("inspect_sharded", num_layers=3, scales=SCALES, num_shards=4)
+    status, data = _inspect(capsys, model)
+    assert status == 0
+    assert data["checkpoint"]["sharded"] and len(data["checkpoint"]["files"]) == 4
+    assert sum(f["tensors"] for f in data["checkpoint"]["files"]) == data["checkpoint"][
+        "num_tensors"
+    ]
+    for i, (k, v) in SCALES.items():
+        assert _layer(data, i)["kvscale"] == {"k": k, "v": v, "source": "checkpoint", "note": ""}
+    scale_files = {t["file"] for t in data["tensors"]}
+    assert scale_files <= {f["name"] for f in data["checkpoint"]["files"]}
+
+
+# ------------------------------------------------------------------ bad scales
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [(0.0, 0.0), (-2.0, -2.0), (math.nan, "nan"), (math.inf, "inf")],
+    ids=["zero", "negative", "nan", "inf"],
+)
+def test_corrupt_value_is_an_error_naming_the_tensor(tiny, capsys, bad, shown):
+    scales = {**SCALES, 1: (0.5, bad)}
+    model = tiny(f"inspect_corrupt_{shown}", num_layers=3, scales=scales)
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    problem = next(p for p in data["problems"] if p["code"] == "corrupt_value")
+    assert problem["severity"] == "error"
+    assert problem["tensors"] == ["model.layers.1.self_attn.v_scale"]
+    row = _layer(data, 1)
+    assert row["v"]["value"] == shown and row["problems"] == ["corrupt_value"]
+    assert row["kvscale"]["source"] == "error"
+    assert row["stock"]["outcome"] == "broken" and row["stock"]["v"] == shown
+    assert data["kvscale"]["outcome"] == "refuses"
+    assert _layer(data, 0)["kvscale"]["source"] == "checkpoint"
+    # Problem rows first.
+    assert data["layers"][0]["index"] == 1
+
+
+def test_non_scalar_scale_is_malformed(tiny, capsys):
+    model = tiny(
+        "inspect_shape", num_layers=2, write_scales=False, scales=SCALES,
+        extra_tensors={
+            "model.layers.0.self_attn.k_scale": torch.full((2, 1, 1), 0.5),
+            "model.layers.0.self_attn.v_scale": _t(0.5),
+            "model.layers.1.self_attn.k_scale": _t(0.5),
+            "model.layers.1.self_attn.v_scale": _t(0.5),
+        },
+    )  # fmt: skip
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    assert _codes(data, "error") == {"malformed_shape"}
+    row = _layer(data, 0)
+    assert row["k"]["shape"] == [2, 1, 1] and row["k"]["value"] is None
+    assert row["kvscale"]["source"] == "error"
+    assert row["stock"]["outcome"] == "fails"
+    assert data["stock"]["outcome"] == "fails"
+
+
+def test_integer_scale_is_malformed(tiny, capsys):
+    model = tiny(
+        "inspect_int", num_layers=1, write_scales=False, scales=SCALES,
+        extra_tensors={
+            "model.layers.0.self_attn.k_scale": _t(2, torch.int32),
+            "model.layers.0.self_attn.v_scale": _t(0.5, torch.bfloat16),
+        },
+    )  # fmt: skip
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    problem = next(p for p in data["problems"] if p["code"] == "malformed_dtype")
+    assert problem["tensors"] == ["model.layers.0.self_attn.k_scale"]
+    row = _layer(data, 0)
+    assert row["k"]["dtype"] == "I32" and row["k"]["value"] == 2.0
+    assert row["v"]["dtype"] == "BF16" and row["v"]["value"] == 0.5
+
+
+def test_missing_scales_with_a_supported_scheme(tiny, capsys):
+    model = tiny("inspect_missing", num_layers=3, write_scales=False, scales=SCALES)
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    problem = next(p for p in data["problems"] if p["code"] == "missing_scales")
+    assert len(problem["layers"]) == 3 and "3 of 3" in problem["message"]
+    for i in range(3):
+        row = _layer(data, i)
+        assert row["kvscale"] == {"k": 1.0, "v": 1.0, "source": "default",
+                                  "note": "no scales: 1.0, one warning"}
+        assert row["stock"]["k"] == 1.0 and row["stock"]["outcome"] == "default"
+
+
+def test_only_one_of_k_and_v(tiny, capsys):
+    model = tiny(
+        "inspect_only_k", num_layers=1, write_scales=False, scales=SCALES,
+        extra_tensors={"model.layers.0.self_attn.k_scale": _t(0.5)},
+    )  # fmt: skip
+    status, data = _inspect(capsys, model)
+    assert status == 1 and "only_one_of_kv" in _codes(data, "error")
+    row = _layer(data, 0)
+    assert row["kvscale"]["source"] == "duplicated" and row["kvscale"]["v"] == 0.5
+    assert row["stock"]["v"] == 1.0
+
+
+def test_unmapped_names_and_unknown_layers(tiny, capsys):
+    model = tiny(
+        "inspect_unmapped", num_layers=2, scales=SCALES,
+        extra_tensors={
+            "model.layers.7.self_attn.k_scale": _t(0.5),
+            "model.layers.0.cross_block.k_scale": _t(0.5),
+            "mtp.layers.0.self_attn.k_scale": _t(0.5),
+            "mtp.layers.0.self_attn.v_scale": _t(0.5),
+        },
+    )  # fmt: skip
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    problem = next(p for p in data["problems"] if p["code"] == "unmapped")
+    assert problem["tensors"] == [
+        "model.layers.0.cross_block.k_scale",
+        "model.layers.7.self_attn.k_scale",
+    ]
+    mtp = next(r for r in data["layers"] if r["mtp"])
+    assert mtp["layer"] == "mtp.layers.0.self_attn" and mtp["problems"] == []
+
+
+def test_deepseek_style_mtp_layer_is_not_unmapped(tiny, tmp_path, capsys):
+    src = tiny(
+        "inspect_mtp", num_layers=2, scales=SCALES,
+        extra_tensors={"model.layers.2.self_attn.k_scale": _t(0.5),
+                       "model.layers.2.self_attn.v_scale": _t(0.5)},
+    )  # fmt: skip
+    model = shutil.copytree(src, tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (model / "config.json").write_text(json.dumps(config))
+    status, data = _inspect(capsys, model)
+    assert status == 0 and data["mtp_layers"] == 1
+    assert next(r for r in data["layers"] if r["index"] == 2)["mtp"] is True
+
+
+def test_text_config_and_hybrid_attention_layers(tiny, tmp_path, capsys):
+    # Multimodal layout (text_config) with linear-attention layers that hold no KV cache.
+    src = tiny(
+        "inspect_hybrid", num_layers=3, write_scales=False, scales=SCALES,
+        extra_tensors={"model.layers.2.self_attn.k_scale": _t(0.5),
+                       "model.layers.2.self_attn.v_scale": _t(0.25),
+                       "model.layers.1.self_attn.k_scale": _t(8.0, torch.float8_e4m3fn)},
+    )  # fmt: skip
+    model = shutil.copytree(src, tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    del config["num_hidden_layers"]
+    config["text_config"] = {
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    status, data = _inspect(capsys, model)
+    assert data["num_hidden_layers"] == 3 and data["attention_layers"] == [2]
+    assert _layer(data, 2)["kvscale"]["source"] == "checkpoint"
+    # Layer 1 is not an attention layer: no missing-scale error, but a scale there maps to
+    # nothing; its FP8-typed value is malformed too.
+    assert _codes(data, "error") == {"malformed_dtype", "unmapped"} and status == 1
+    assert "not an attention layer" in json.dumps(data["tensors"])
+    assert _layer(data, 1)["k"] == {"tensor": "model.layers.1.self_attn.k_scale", "value": 8.0,
+                                    "dtype": "F8_E4M3", "shape": [1], "naming": "self_attn"}
+
+
+def test_conflicting_and_duplicate_tensors(tiny, capsys):
+    model = tiny(
+        "inspect_conflict", num_layers=2, scales=SCALES,
+        extra_tensors={
+            "model.layers.0.self_attn.k_proj.k_scale": _t(9.0),  # differs from 0.125
+            "model.layers.1.self_attn.k_proj.k_scale": _t(0.5),  # same as the stored 0.5
+        },
+    )  # fmt: skip
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    assert "conflicting_scales" in _codes(data, "error")
+    assert "duplicate_scales" in _codes(data, "warning")
+    assert _layer(data, 0)["problems"] == ["conflicting_scales"]
+    assert _layer(data, 1)["problems"] == []
+
+
+# ------------------------------------------------------------------ schemes
+
+
+def test_no_scheme_changes_nothing(tiny, capsys):
+    model = tiny("inspect_noscheme", num_layers=2, kv_cache_scheme=None, scales=SCALES)
+    status, data = _inspect(capsys, model)
+    assert status == 0 and data["problems"] == [] and data["layers"] == []
+    assert not data["scheme"]["declared"]
+    assert data["stock"]["outcome"] == "none" and data["kvscale"]["outcome"] == "none"
+
+
+def test_scales_without_scheme_are_a_warning(tiny, capsys):
+    model = tiny(
+        "inspect_scales_noscheme", num_layers=1, kv_cache_scheme=None, scales=SCALES,
+        extra_tensors={"model.layers.0.self_attn.k_scale": _t(0.5),
+                       "model.layers.0.self_attn.v_scale": _t(0.5)},
+    )  # fmt: skip
+    status, data = _inspect(capsys, model)
+    assert status == 0 and _codes(data) == {"scales_without_scheme"}
+    assert _layer(data, 0)["kvscale"]["source"] == "none"
+
+
+def test_no_quantization_config(tiny, capsys):
+    model = tiny("inspect_noqc", num_layers=1, quantization_config=False, scales=SCALES)
+    status, data = _inspect(capsys, model)
+    assert status == 0
+    assert "needs a compressed-tensors checkpoint" in data["kvscale"]["summary"]
+    assert data["scheme"]["quant_method"] is None
+
+
+def test_unsupported_scheme_with_scales(tiny, capsys):
+    int8 = {**FP8_KV_SCHEME, "type": "int"}
+    model = tiny("inspect_int8_scheme", num_layers=2, kv_cache_scheme=int8, scales=SCALES)
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    assert "unsupported_scheme_with_scales" in _codes(data, "error")
+    assert data["stock"]["outcome"] == "refuses"
+    assert "NotImplementedError" in data["stock"]["summary"]
+    assert data["kvscale"]["outcome"] == "unscaled"
+    assert {r["kvscale"]["source"] for r in data["layers"]} == {"unscaled"}
+
+
+def test_dynamic_scheme_without_scales(tiny, capsys):
+    dynamic = {**FP8_KV_SCHEME, "dynamic": True}
+    model = tiny("inspect_dynamic", num_layers=2, kv_cache_scheme=dynamic,
+                 write_scales=False, scales=SCALES)
+    status, data = _inspect(capsys, model)
+    assert status == 0 and _codes(data) == {"unsupported_scheme"}
+    assert "dynamic=true" in data["scheme"]["reason"]
+    # vLLM 0.32's validator does not look at "dynamic".
+    assert data["stock"]["outcome"] == "starts"
+
+
+def test_assumed_defaults(tiny, capsys):
+    minimal = {"num_bits": 8, "type": "float"}
+    model = tiny("inspect_minimal_scheme", num_layers=2, kv_cache_scheme=minimal, scales=SCALES)
+    status, data = _inspect(capsys, model)
+    assert status == 0 and _codes(data) == {"assumed_defaults"}
+    assert data["scheme"]["supported"]
+    assert data["scheme"]["assumed"] == {"strategy": "tensor", "symmetric": True, "dynamic": False}
+    # Stock reads the raw dict: QuantizationStrategy(None) raises.
+    assert data["stock"]["outcome"] == "refuses" and "ValueError" in data["stock"]["summary"]
+    assert data["kvscale"]["outcome"] == "starts"
+
+
+# ------------------------------------------------------------------ hosts and hooks
+
+
+def test_sglang_host(tiny, capsys):
+    model = tiny("inspect_qwen3_qkv", family="qwen3", num_layers=2, naming="qkv_proj",
+                 scales=SCALES)
+    status, data = _inspect(capsys, model, host="sglang")
+    assert status == 0 and data["host"] == "sglang" and data["stock"]["engine"] == "sglang"
+    row = _layer(data, 1)
+    assert row["k"]["tensor"] == "model.layers.1.self_attn.qkv_proj.k_scale"
+    assert row["kvscale"]["k"] == 0.5
+    # SGLang's Qwen3 drops compressed-tensors KV scales.
+    assert row["stock"]["k"] == 1.0 and row["stock"]["outcome"] == "default"
+
+
+def test_third_party_rule_is_used(tiny, capsys):
+    class Rules:
+        @hookimpl
+        def kvscale_map_scale_name(self, name, host, model_type):
+            if name.endswith(".kvq.key"):
+                return name.replace(".kvq.key", ".self_attn.attn.k_scale")
+            if name.endswith(".kvq.value"):
+                return name.replace(".kvq.value", ".self_attn.attn.v_scale")
+            return None
+
+    model = tiny(
+        "inspect_custom_names", num_layers=1, write_scales=False, scales=SCALES,
+        extra_tensors={"model.layers.0.kvq.key": _t(0.5), "model.layers.0.kvq.value": _t(0.25)},
+    )  # fmt: skip
+    pm = get_plugin_manager()
+    plugin = Rules()
+    pm.register(plugin, name="test-inspect-rules")
+    try:
+        status, data = _inspect(capsys, model)
+    finally:
+        pm.unregister(plugin)
+    assert status == 0
+    assert _layer(data, 0)["kvscale"] == {"k": 0.5, "v": 0.25, "source": "checkpoint", "note": ""}
+
+
+# ------------------------------------------------------------------ output and exit codes
+
+
+def test_json_schema(tiny, capsys):
+    model = tiny("inspect_self_attn", num_layers=3, naming="self_attn", scales=SCALES)
+    _, data = _inspect(capsys, model)
+    assert set(data) == TOP_LEVEL_KEYS
+    assert data["schema_version"] == SCHEMA_VERSION == 1
+    report = inspect_checkpoint(model)
+    json.dumps(report_to_json(report), allow_nan=False)
+    row = data["layers"][0]
+    assert set(row) == {"layer", "index", "mtp", "k", "v", "q", "stock", "kvscale", "problems"}
+    assert set(row["k"]) == {"tensor", "value", "dtype", "shape", "naming"}
+    assert set(data["tensors"][0]) == {
+        "name", "file", "dtype", "shape", "value", "kind", "naming", "target", "layer", "problems"
+    }  # fmt: skip
+    assert data["mapping"] == [
+        {"pattern": "model.layers.{i}.self_attn.k_scale",
+         "target": "model.layers.{i}.self_attn.attn.k_scale", "count": 3},
+        {"pattern": "model.layers.{i}.self_attn.v_scale",
+         "target": "model.layers.{i}.self_attn.attn.v_scale", "count": 3},
+    ]  # fmt: skip
+
+
+def test_text_output_problems_first_then_a_row_per_layer(tiny, capsys):
+    scales = {**SCALES, 2: (0.0, 2.5)}
+    model = tiny("inspect_text_zero", num_layers=3, scales=scales)
+    status = run_inspect(str(model), as_json=False, host="vllm")
+    out = capsys.readouterr().out
+    assert status == 1
+    assert out.index("PROBLEMS: 1 error(s)") < out.index(" layer ")
+    assert "model.layers.2.self_attn.k_scale: 0 (a zero scale" in out
+    table = out[out.index(" layer ") :].splitlines()
+    rows = [line for line in table if "model.layers." in line]
+    assert len(rows) == 3
+    assert rows[0].startswith("! model.layers.2.self_attn")
+    assert "k=0.125 v=0.25 checkpoint" in rows[1]
+    assert out.rstrip().endswith("exit status 1")
+    assert render_text(inspect_checkpoint(model)) == out
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_unusable_input_exits_2_with_a_clear_message(tmp_path, capsys, as_json):
+    not_dir = tmp_path / "weights.safetensors"
+    not_dir.write_bytes(b"x")
+    assert run_inspect(str(not_dir), as_json=as_json, host="vllm") == 2
+    captured = capsys.readouterr()
+    assert f"{not_dir}: not a directory" in captured.err
+    if as_json:
+        data = _strict_json(captured.out)
+        assert data["exit_status"] == 2 and data["error"]["type"] == "CheckpointError"
+    else:
+        assert captured.out == ""
+
+    (tmp_path / "m").mkdir()
+    assert run_inspect(str(tmp_path / "m"), as_json=as_json, host="vllm") == 2
+    assert "config.json: not found" in capsys.readouterr().err
+
+
+def test_truncated_header_exits_2(tiny, tmp_path, capsys):
+    model = shutil.copytree(tiny("inspect_sharded", num_layers=3, scales=SCALES, num_shards=4),
+                            tmp_path / "m")
+    shard = model / "model-00003-of-00004.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert run_inspect(str(model), as_json=False, host="vllm") == 2
+    err = capsys.readouterr().err
+    assert str(shard) in err and "truncated" in err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("kvscale_plugin.cli") is None, reason="kvscale_plugin.cli missing"
+)
+def test_console_script_module(tiny):
+    scales = {**SCALES, 1: (0.5, math.nan)}
+    model = tiny("inspect_cli_nan", num_layers=2, scales=scales)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscale_plugin.cli", "inspect", str(model), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    data = _strict_json(proc.stdout)
+    assert data["exit_status"] == 1
+    assert _layer(data, 1)["v"]["value"] == "nan"
+    assert _layer(data, 0)["kvscale"]["k"] == _f32(0.125)
