@@ -239,3 +239,19 @@ def test_reload_dummy_then_real_then_new_scales(tiny):
                 assert (s.k_ptr, s.v_ptr) == (dummy[name].k_ptr, dummy[name].v_ptr)
         reload_weights(llm, first)
         assert_scales_equal_checkpoint(layer_scales(llm), read_stored_scales(first))
+
+
+def test_scheme_with_omitted_fields_uses_library_defaults(tiny, caplog):
+    # Real checkpoints sometimes omit strategy / symmetric / dynamic.
+    ckpt = tiny("minimal-scheme", kv_cache_scheme={"num_bits": 8, "type": "float"})
+    caplog.set_level("INFO", logger="kvscale_plugin")
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        scales = layer_scales(llm)
+    assert_scales_equal_checkpoint(scales, read_stored_scales(ckpt))
+    assert all(s.pool_is_fp8 for s in scales.values())
+    assumed = [r.getMessage() for r in caplog.records if "defaults assumed" in r.getMessage()]
+    assert assumed and "strategy=tensor" in assumed[0] and "symmetric=true" in assumed[0]
+    # Stock vLLM 0.32 refuses the same checkpoint.
+    with pytest.raises(Exception, match="valid QuantizationStrategy|symmetric"):
+        with vllm_engine(ckpt):
+            pass

@@ -46,22 +46,28 @@ def _greedy_tokens_in_process(model_dir: Path, ids: list[int]) -> list[int]:
         return list(out[0].outputs[0].token_ids)
 
 
-def test_multiprocessing_mode_loads_scales(tiny, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
     ckpt = tiny("default", num_layers=2)
     ids = list(reference_token_ids(ckpt))[:24]
+    env = _env(tmp_path)
+    # One NUMA node here: let the CPU workers share it (ENVIRONMENT.md).
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_multiproc_engine.py"), str(ckpt), json.dumps(ids)],
-        env=_env(tmp_path), capture_output=True, text=True, timeout=240,
+        [sys.executable, str(HERE / "_multiproc_engine.py"), str(ckpt), json.dumps(ids),
+         str(tp)],
+        env=env, capture_output=True, text=True, timeout=300,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    (scales,) = result["scales"]  # one worker
+    assert len(result["scales"]) == tp  # one answer per worker (TP rank)
     stored = read_stored_scales(ckpt)
-    assert len(scales) == len(stored)
-    for name, (k, v) in scales.items():
-        assert k == pytest.approx(stored[layer_index(name)]["k"], rel=1e-6)
-        assert v == pytest.approx(stored[layer_index(name)]["v"], rel=1e-6)
+    for scales in result["scales"]:
+        assert len(scales) == len(stored)
+        for name, (k, v) in scales.items():
+            assert k == pytest.approx(stored[layer_index(name)]["k"], rel=1e-6)
+            assert v == pytest.approx(stored[layer_index(name)]["v"], rel=1e-6)
     assert result["tokens"] == _greedy_tokens_in_process(ckpt, ids)
 
 
