@@ -1,10 +1,13 @@
 # Two commands for a fresh machine:
 #   make demo   - set up .venv and run the main job (kvscale demo) on built-in tiny models
-#   make test   - set up .venv and run ruff + the whole test suite (real vLLM CPU engines)
+#   make test   - set up .venv (+ .venv-sglang) and run ruff + the whole test suite
+#                 (real vLLM CPU engines, real SGLang modules)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PYTHON ?= python3
 VENV ?= .venv
+# SGLang and vLLM pin different versions of a few packages: SGLang gets its own venv.
+SGLANG_VENV ?= .venv-sglang
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # pip's local mirrors print a line per package they lack; keep the log readable.
@@ -34,7 +37,9 @@ lint: venv
 	$(PY) -m ruff check .
 
 test: venv lint $(VENV)/.kvscale-test-rules
-	$(PY) -m pytest -q -p no:cacheprovider
+	scripts/setup_sglang_venv.sh $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/sglang
 
 demo: venv
 	$(VENV)/bin/kvscale demo
@@ -44,4 +49,4 @@ bench: venv
 	$(PY) benchmarks/startup.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

@@ -30,7 +30,14 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin._log import warn_once
+from kvscale_plugin.hosts._common import (
+    announce_verdict,
+    check_zero_point,
+    claims_checkpoint,
+    no_checkpoint_config_error,
+    warn_missing_scales,
+)
 from kvscale_plugin.names import map_scale_name
 from kvscale_plugin.scales import (
     SENTINEL,
@@ -41,18 +48,11 @@ from kvscale_plugin.scales import (
     scale_problem,
     unscaled,
 )
-from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
+from kvscale_plugin.scheme import SchemeVerdict
 
 HOST = "vllm"
 _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 _ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
-
-NO_CHECKPOINT_CONFIG = (
-    "kvscale: --quantization kvscale needs a compressed-tensors checkpoint, but this "
-    "model's config.json has no 'quantization_config' (or 'compression_config'). "
-    "Drop --quantization kvscale for an unquantized model, or point vLLM at a checkpoint "
-    "exported by llm-compressor with a kv_cache_scheme."
-)
 
 
 _UNMAPPED_PREFIX = "__kvscale_unmapped__."
@@ -91,24 +91,13 @@ class KVScaleConfig(CompressedTensorsConfig):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not args and not kwargs:
             # vLLM calls Cls() when the checkpoint has no quantization config.
-            raise ValueError(NO_CHECKPOINT_CONFIG)
+            raise no_checkpoint_config_error("vLLM")
         super().__init__(*args, **kwargs)
         self.declared_kv_cache_scheme = self.kv_cache_scheme
-        self.kv_verdict: SchemeVerdict = judge_kv_cache_scheme(self.kv_cache_scheme)
-        if self.kv_verdict.declared and not self.kv_verdict.supported:
-            warn_once(
-                f"unsupported-scheme:{self.kv_verdict.reason}",
-                "kvscale: kv_cache_scheme %s is not supported: %s. Serving with an "
-                "unscaled KV cache (checkpoint k/v scales are ignored; "
-                "--kv-cache-dtype auto keeps the model dtype).",
-                dict(self.declared_kv_cache_scheme)
-                if isinstance(self.declared_kv_cache_scheme, dict)
-                else self.declared_kv_cache_scheme,
-                self.kv_verdict.reason,
-            )
+        self.kv_verdict: SchemeVerdict = announce_verdict(self.kv_cache_scheme)
+        if not self.kv_verdict.supported:
+            # Exposed only when supported: Attention flips `auto` to FP8 on it.
             self.kv_cache_scheme = None
-        elif self.kv_verdict.supported:
-            logger.info("kvscale: kv_cache_scheme %s", self.kv_verdict.describe())
         self.model_type: str | None = None
         # Checkpoint tensors whose loaded value cannot be served: name -> why.
         self.corrupt_scales: dict[str, str] = {}
@@ -136,11 +125,7 @@ class KVScaleConfig(CompressedTensorsConfig):
     def override_quantization_method(
         cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
     ) -> str | None:
-        if user_quant == QUANTIZATION_METHOD and (
-            hf_quant_cfg.get("quant_method") == "compressed-tensors"
-        ):
-            return QUANTIZATION_METHOD
-        return None
+        return claims_checkpoint(hf_quant_cfg, user_quant)
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Any = None):
         super().maybe_update_config(model_name, hf_config=hf_config, revision=revision)
@@ -287,14 +272,7 @@ def _scale_loader(corrupt: dict[str, str], tensor_name: str) -> Callable[..., No
 
 def _zero_point_loader(tensor_name: str) -> Callable[..., None]:
     def load_kv_zero_point(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        # Symmetric schemes only: a zero point is accepted and dropped.
-        if loaded_weight.numel() and bool((loaded_weight.float() != 0).any()):
-            warn_once(
-                f"zero-point:{tensor_name}",
-                "kvscale: checkpoint tensor '%s' holds a non-zero zero point; KV-cache "
-                "quantization is symmetric here, so it is ignored.",
-                tensor_name,
-            )
+        check_zero_point(tensor_name, loaded_weight)
 
     return load_kv_zero_point
 
@@ -330,21 +308,12 @@ def _is_dummy_load() -> bool:
 
 
 def _warn_missing_scales(cfg: KVScaleConfig) -> None:
-    missing = sorted(
+    warn_missing_scales(
         name
         for name, layer in cfg._attention_layers.items()
         if hasattr(layer, "k_scale")
         and float(layer.k_scale.item()) == SENTINEL
         and float(layer.v_scale.item()) == SENTINEL
-    )
-    shown = ", ".join(missing[:4]) + (f", ... ({len(missing)} layers)" if len(missing) > 4 else "")
-    warn_once(
-        "scales-missing",
-        "kvscale: the checkpoint declares a kv_cache_scheme but has no k_scale/v_scale "
-        "tensors for %s; those layers use scale 1.0, which clips K/V beyond +-448. "
-        "Calibrate the checkpoint's KV cache with llm-compressor, or serve with "
-        "--kv-cache-dtype bfloat16.",
-        shown or "some attention layers",
     )
 
 

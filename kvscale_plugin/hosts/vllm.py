@@ -19,15 +19,6 @@ _registered = False
 _lock = threading.Lock()
 
 
-def _base_version(version: str) -> str:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).base_version
-    except InvalidVersion:
-        return version
-
-
 def register() -> None:
     """Register the ``kvscale`` quantization method (and the CUSTOM attention backend)."""
     global _registered
@@ -36,24 +27,12 @@ def register() -> None:
             return
         import vllm
 
-        found = _base_version(getattr(vllm, "__version__", "unknown"))
-        if found not in TESTED_VLLM_VERSIONS:
-            warn_once(
-                "vllm-version",
-                "kvscale: vLLM %s is not a version this plugin was tested with (%s); "
-                "it relies on vLLM internals that change between releases. If start-up "
-                "fails, install a tested vLLM or a kvscale-plugin release for your vLLM.",
-                found,
-                ", ".join(TESTED_VLLM_VERSIONS),
-            )
-        try:
-            from kvscale_plugin.hosts import _vllm_impl
-        except (ImportError, AttributeError) as exc:
-            raise RuntimeError(
-                f"kvscale: cannot hook into vLLM {found} (tested: "
-                f"{', '.join(TESTED_VLLM_VERSIONS)}): {type(exc).__name__}: {exc}. "
-                "Install a tested vLLM version, or uninstall kvscale-plugin."
-            ) from exc
+        from kvscale_plugin.hosts._common import base_version, import_adapter
+
+        found = base_version(getattr(vllm, "__version__", "unknown"))
+        _vllm_impl = import_adapter(
+            "vLLM", found, TESTED_VLLM_VERSIONS, "kvscale_plugin.hosts._vllm_impl"
+        )
         _vllm_impl.register_quantization()
         _register_backend()
         _registered = True

@@ -1,0 +1,112 @@
+"""What both host adapters say and decide the same way (imports no host engine).
+
+The adapters translate a host's API; the messages a user sees and the small
+decisions around them (which checkpoints we claim, how an unsupported scheme is
+announced, how an untested host version is reported) live here once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Collection, Iterable
+from types import ModuleType
+from typing import Any
+
+from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
+
+
+def base_version(version: str) -> str:
+    """``0.32.0+cpu`` -> ``0.32.0``."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).base_version
+    except InvalidVersion:
+        return version
+
+
+def import_adapter(host: str, found: str, tested: Collection[str], module: str) -> ModuleType:
+    """Import a host adapter's implementation module, or fail saying which host version
+    is in use; warn once when that version is not one the adapter was tested with."""
+    if found not in tested:
+        warn_once(
+            f"{host}-version",
+            "kvscale: %s %s is not a version this plugin was tested with (%s); it relies "
+            "on %s internals that change between releases. If start-up fails, install a "
+            "tested %s or a kvscale-plugin release for your %s.",
+            host, found, ", ".join(tested), host, host, host,
+        )
+    try:
+        return importlib.import_module(module)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(
+            f"kvscale: cannot hook into {host} {found} (tested: {', '.join(tested)}): "
+            f"{type(exc).__name__}: {exc}. Install a tested {host} version, or uninstall "
+            "kvscale-plugin."
+        ) from exc
+
+
+def no_checkpoint_config_error(host: str) -> ValueError:
+    """Hosts build the config with no arguments when config.json has no quantization_config."""
+    return ValueError(
+        "kvscale: --quantization kvscale needs a compressed-tensors checkpoint, but this "
+        "model's config.json has no 'quantization_config' (or 'compression_config'). "
+        f"Drop --quantization kvscale for an unquantized model, or point {host} at a "
+        "checkpoint exported by llm-compressor with a kv_cache_scheme."
+    )
+
+
+def claims_checkpoint(hf_quant_cfg: dict[str, Any], user_quant: str | None) -> str | None:
+    """``override_quantization_method``: ours when asked for and the checkpoint is
+    compressed-tensors; otherwise the host decides as if we were not installed."""
+    if user_quant == QUANTIZATION_METHOD and (
+        hf_quant_cfg.get("quant_method") == "compressed-tensors"
+    ):
+        return QUANTIZATION_METHOD
+    return None
+
+
+def announce_verdict(scheme: Any) -> SchemeVerdict:
+    """Judge a checkpoint's ``kv_cache_scheme`` and tell the user once what it means."""
+    verdict = judge_kv_cache_scheme(scheme)
+    if verdict.declared and not verdict.supported:
+        warn_once(
+            f"unsupported-scheme:{verdict.reason}",
+            "kvscale: kv_cache_scheme %s is not supported: %s. Serving with an unscaled KV "
+            "cache (checkpoint k/v scales are ignored; --kv-cache-dtype auto keeps the "
+            "model dtype). To use calibrated scales, export the KV cache with a static "
+            "symmetric per-tensor FP8 scheme.",
+            dict(scheme) if isinstance(scheme, dict) else scheme,
+            verdict.reason,
+        )
+    elif verdict.supported:
+        logger.info("kvscale: kv_cache_scheme %s", verdict.describe())
+    return verdict
+
+
+def warn_missing_scales(layer_names: Iterable[str]) -> None:
+    """One warning for a declared scheme whose checkpoint has no scales for some layers."""
+    missing = sorted(layer_names)
+    shown = ", ".join(missing[:4]) + (f", ... ({len(missing)} layers)" if len(missing) > 4 else "")
+    warn_once(
+        "scales-missing",
+        "kvscale: the checkpoint declares a kv_cache_scheme but has no k_scale/v_scale "
+        "tensors for %s; those layers use scale 1.0, which clips K/V beyond +-448. "
+        "Calibrate the checkpoint's KV cache with llm-compressor, or serve with a bf16 "
+        "KV cache (--kv-cache-dtype bfloat16 in vLLM, bf16 in SGLang).",
+        shown or "some attention layers",
+    )
+
+
+def check_zero_point(tensor_name: str, loaded: Any) -> None:
+    """Zero points are accepted and dropped (symmetric only); a non-zero one is reported."""
+    if loaded.numel() and bool((loaded.float() != 0).any()):
+        warn_once(
+            f"zero-point:{tensor_name}",
+            "kvscale: checkpoint tensor '%s' holds a non-zero zero point; KV-cache "
+            "quantization is symmetric here, so it is ignored. Re-export the checkpoint "
+            "with a symmetric kv_cache_scheme if K/V are off-centre.",
+            tensor_name,
+        )

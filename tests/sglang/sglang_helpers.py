@@ -1,0 +1,112 @@
+"""Build, load and reload tiny models with SGLang's own loader; read back attention scales.
+
+Everything goes through real SGLang code: ``ModelConfig`` on the checkpoint's
+config.json, ``DefaultModelLoader.load_model`` (quant config, model class, weight
+iterator, ``load_weights``, post-processing), and for reloads the same calls
+``ModelRunner.update_weights_from_disk`` makes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Distinct per-layer (k, v) scales, exact in float32, so equality checks are exact.
+SCALES = {0: (3.25, 2.5), 1: (4.75, 2.125)}
+SCALES_B = {0: (1.5, 0.75), 1: (6.5, 5.25)}
+SCALES_C = {0: (2.125, 1.25), 1: (0.625, 0.375)}
+
+
+@dataclass(frozen=True)
+class Scales:
+    k: float | None  # the served tensor layer.k_scale (None: the layer has none)
+    v: float | None
+    k_float: float | None
+    v_float: float | None
+    source: str | None
+    method: str | None
+    k_ptr: int | None
+
+
+def build_model(path: Path, quantization: str | None = "kvscale", **config: Any):
+    """(model, model_config) loaded from ``path`` by SGLang's DefaultModelLoader on CPU."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    model_config = ModelConfig(str(path), quantization=quantization, dtype="bfloat16", **config)
+    model = DefaultModelLoader(LoadConfig()).load_model(
+        model_config=model_config, device_config=DeviceConfig("cpu")
+    )
+    return model, model_config
+
+
+def reload(model: torch.nn.Module, model_config: Any, path: Path, name_filter=None) -> None:
+    """What ``update_weights_from_disk`` does to the model: restore, load, post-process."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    device = torch.device("cpu")
+    model_config.model_path = str(path)
+    loader = DefaultModelLoader(LoadConfig())
+    weights = loader._get_weights_iterator(DefaultModelLoader.Source.init_new(model_config, model))
+    if name_filter is not None:
+        weights = ((n, w) for n, w in weights if name_filter(n))
+    DefaultModelLoader.restore_weights_before_loading(model, device)
+    loader.load_weights_and_postprocess(model, weights, device)
+
+
+def attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, RadixAttention)}
+
+
+def layer_scales(model: torch.nn.Module) -> dict[str, Scales]:
+    out = {}
+    for name, layer in attention_layers(model).items():
+        k, v = layer.k_scale, layer.v_scale
+        out[name] = Scales(
+            k=None if k is None else float(k),
+            v=None if v is None else float(v),
+            k_float=layer.k_scale_float,
+            v_float=layer.v_scale_float,
+            source=getattr(layer, "kvscale_source", None),
+            method=None if layer.quant_method is None else type(layer.quant_method).__name__,
+            k_ptr=None if k is None else k.data_ptr(),
+        )
+    return out
+
+
+def layer_index(name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", name)
+    assert match, name
+    return int(match[1])
+
+
+def assert_scales(scales: dict[str, Scales], expected: dict[int, tuple[float, float]]) -> None:
+    """Every layer's device tensor and Python float hold exactly the expected k / v."""
+    assert len(scales) == len(expected), scales
+    for name, s in scales.items():
+        k, v = expected[layer_index(name)]
+        assert (s.k, s.k_float) == (k, k), (name, s)
+        assert (s.v, s.v_float) == (v, v), (name, s)
+
+
+def resolve_kv_cache_dtype(model: torch.nn.Module, requested: str = "auto") -> tuple:
+    """SGLang's own resolution of --kv-cache-dtype for this model (what sizes the pool)."""
+    from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
+
+    return configure_kv_cache_dtype(
+        server_args_kv_cache_dtype=requested,
+        model=model,
+        model_dtype=torch.bfloat16,
+        is_draft_worker=False,
+        is_dflash=False,
+        speculative_draft_attention_backend=None,
+    )

@@ -1,0 +1,136 @@
+"""``sglang.srt.plugins: kvscale``: discovery, registration, CLI, ModelConfig, quant config."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+# "sglang.srt", not "sglang": this test folder itself is named sglang (see conftest).
+pytest.importorskip("sglang.srt", reason="SGLang tests run in .venv-sglang")
+
+import torch  # noqa: E402
+from sglang_helpers import SCALES, build_model, resolve_kv_cache_dtype  # noqa: E402
+
+from kvscale_plugin.tinymodels import FP8_KV_SCHEME  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("sglang_runtime")
+
+ENTRY_POINT = "kvscale_plugin.hosts.sglang:register"
+
+
+def _registration_counts() -> Counter:
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.layers.quantization import CPU_QUANTIZATION_METHODS, QUANTIZATION_METHODS
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from kvscale_plugin.hosts import _sglang_impl
+
+    counts = Counter(
+        choices=QUANTIZATION_CHOICES.count("kvscale"),
+        methods=int(QUANTIZATION_METHODS.get("kvscale") is _sglang_impl.KVScaleConfig),
+        cpu_methods=int(CPU_QUANTIZATION_METHODS.get("kvscale") is _sglang_impl.KVScaleConfig),
+    )
+    for target, hook, _kind in _sglang_impl._hooks():
+        counts[target] = sum(h is hook for _, h, _ in HookRegistry._hooks.get(target, ()))
+    return counts
+
+
+def test_load_plugins_discovers_the_entry_point():
+    from importlib.metadata import entry_points
+
+    from sglang.srt.layers.quantization import BASE_QUANTIZATION_METHODS
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from kvscale_plugin.hosts import _sglang_impl
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvscale"]
+    assert [ep.value for ep in eps] == [ENTRY_POINT]
+    # load_plugins() (session fixture) ran it: the method is registered, the hooks applied,
+    # and SGLang's own base table is left alone.
+    counts = _registration_counts()
+    assert set(counts.values()) == {1}, counts
+    assert "kvscale" not in BASE_QUANTIZATION_METHODS
+    assert {target for target, _, _ in _sglang_impl._hooks()} <= HookRegistry._patched
+
+
+def test_registering_again_adds_nothing():
+    from sglang.srt.plugins import load_plugins
+
+    from kvscale_plugin.hosts import _sglang_impl, sglang
+
+    before = _registration_counts()
+    sglang.register()
+    sglang.register()
+    load_plugins()
+    # Even below the once-only guard, each registration step is idempotent on its own.
+    _sglang_impl.register_quantization()
+    _sglang_impl.register_hooks()
+    assert _registration_counts() == before
+
+
+def test_prepare_server_args_accepts_kvscale(tiny):
+    from sglang.srt.server_args import prepare_server_args
+
+    ckpt = tiny("sgl-llama", family="llama", scales=SCALES)
+    args = prepare_server_args(
+        ["--model-path", str(ckpt), "--quantization", "kvscale", "--device", "cpu"]
+    )
+    assert args.quantization == "kvscale"
+    assert args.kv_cache_dtype == "auto"
+    # The choices are enforced: an unknown name is still rejected.
+    with pytest.raises(SystemExit):
+        prepare_server_args(
+            ["--model-path", str(ckpt), "--quantization", "no-such-method", "--device", "cpu"]
+        )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_model_config_and_get_quant_config_pick_kvscale(tiny, family):
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from sglang.srt.model_loader.weight_utils import get_quant_config
+
+    from kvscale_plugin.hosts._sglang_impl import KVScaleConfig
+
+    ckpt = tiny(f"sgl-{family}", family=family, scales=SCALES)
+    model_config = ModelConfig(str(ckpt), quantization="kvscale", dtype="bfloat16")
+    assert model_config.quantization == "kvscale"  # claimed via override_quantization_method
+    cfg = get_quant_config(model_config, LoadConfig(), {})
+    assert isinstance(cfg, KVScaleConfig)
+    assert cfg.kv_cache_quant_algo == "FP8"
+    assert cfg.kv_verdict.supported
+    assert cfg.model_type == family
+    # Weight handling stays SGLang's compressed-tensors (it switches on this name).
+    assert cfg.get_name() == "compressed_tensors"
+
+    # Without --quantization nothing changes: stock compressed-tensors is detected.
+    stock_config = ModelConfig(str(ckpt), dtype="bfloat16")
+    assert stock_config.quantization == "compressed-tensors"
+    stock = get_quant_config(stock_config, LoadConfig(), {})
+    assert type(stock) is CompressedTensorsConfig
+
+
+def test_auto_kv_cache_dtype_resolves_to_fp8(tiny):
+    ckpt = tiny("sgl-llama", family="llama", scales=SCALES)
+    model, _ = build_model(ckpt)
+    assert resolve_kv_cache_dtype(model, "auto") == ("fp8_e4m3", torch.float8_e4m3fn)
+    # An explicit dtype from the user wins.
+    assert resolve_kv_cache_dtype(model, "bf16")[1] == torch.bfloat16
+
+
+def test_unsupported_scheme_keeps_auto_at_model_dtype(tiny):
+    ckpt = tiny("sgl-unsupported-channel", kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "channel"},
+                scales=SCALES)
+    model, _ = build_model(ckpt)
+    assert model.quant_config.kv_cache_quant_algo is None
+    assert resolve_kv_cache_dtype(model, "auto") == (None, torch.bfloat16)
+
+
+def test_checkpoint_without_quantization_config_is_a_clear_error(tiny):
+    ckpt = tiny("sgl-unquantized", quantization_config=False, kv_cache_scheme=None)
+    with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):
+        build_model(ckpt)
