@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import pluggy
 
@@ -139,6 +139,28 @@ def map_scale_name(name: str, host: str, model_type: str | None = None) -> str |
 def is_kv_scale_target(name: str) -> bool:
     """Whether a host parameter name is an attention KV-scale / zero-point placeholder."""
     return bool(re.search(r"\.attn\.[qkv]_(?:scale|zero_point)$", name))
+
+
+_LAYER_TAIL = re.compile(r"(?:^|\.)(layers\.\d+\..+)$")
+
+
+def names_attention_layer(target: str, layer_names: Iterable[str]) -> bool:
+    """Whether host parameter name ``target`` (``<layer>.k_scale``) can belong to one of
+    the host's attention layers ``layer_names``.
+
+    Compared on the ``layers.N....`` tail: the mapping runs on checkpoint names, before a
+    model's own prefix renames (``model.language_model.`` -> ``language_model.model.``),
+    so only a name whose layer tail matches nothing is known not to load. A name without
+    such a tail cannot be judged here: True (the host's loader decides).
+    """
+    layer = target.rsplit(".", 1)[0]
+    tail = _LAYER_TAIL.search(layer)
+    if tail is None:
+        return True
+    return any(
+        (m := _LAYER_TAIL.search(name)) is not None and m.group(1) == tail.group(1)
+        for name in layer_names
+    )
 
 
 def make_name_mapper(host: str, model_type: str | None = None) -> Callable[[str], str]:

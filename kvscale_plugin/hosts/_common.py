@@ -110,3 +110,16 @@ def check_zero_point(tensor_name: str, loaded: Any) -> None:
             "with a symmetric kv_cache_scheme if K/V are off-centre.",
             tensor_name,
         )
+
+
+def warn_unmapped_scales(names: Iterable[str]) -> None:
+    """One warning listing every checkpoint KV-scale tensor that names no attention layer."""
+    shown = sorted(names)
+    warn_once(
+        "unmapped-scales",
+        "kvscale: %d KV-scale tensor(s) in the checkpoint name no attention layer of this "
+        "model and were not loaded: %s. If they belong to layers this model does build, "
+        "add a name-mapping rule (entry-point group 'kvscale_plugin', see the README).",
+        len(shown),
+        ", ".join(shown),
+    )

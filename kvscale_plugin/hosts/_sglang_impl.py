@@ -47,8 +47,9 @@ from kvscale_plugin.hosts._common import (
     claims_checkpoint,
     no_checkpoint_config_error,
     warn_missing_scales,
+    warn_unmapped_scales,
 )
-from kvscale_plugin.names import map_scale_name
+from kvscale_plugin.names import map_scale_name, names_attention_layer
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
@@ -289,7 +290,8 @@ def _warn_missing_scales(cfg: KVScaleConfig) -> None:
 
 
 def _map_weight_names(
-    weights: Iterable[tuple[str, torch.Tensor]], targets: set[str], model_type: str | None
+    weights: Iterable[tuple[str, torch.Tensor]], targets: set[str], model_type: str | None,
+    unmapped: set[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rename checkpoint KV-scale tensors to this model's placeholders, lazily."""
     if not targets:  # no KV scheme: nothing to map onto, names stay as they are
@@ -302,7 +304,18 @@ def _map_weight_names(
         mapped = map_scale_name(name, HOST, model_type)
         if mapped is not None and mapped != name and mapped in targets:
             name = mapped
+        elif (
+            mapped is not None
+            and unmapped is not None
+            and mapped not in targets
+            and not names_attention_layer(mapped, _placeholder_layers(targets))
+        ):
+            unmapped.add(name)  # SGLang's loader skips it: say so, once, after the load
         yield name, tensor
+
+
+def _placeholder_layers(targets: set[str]) -> set[str]:
+    return {t.rsplit(".", 1)[0] for t in targets}
 
 
 def _install_name_mapping(model: torch.nn.Module, cfg: KVScaleConfig) -> None:
@@ -324,7 +337,13 @@ def _install_name_mapping(model: torch.nn.Module, cfg: KVScaleConfig) -> None:
         cfg.weight_loads += 1
         token = _ACTIVE_CONFIG.set(cfg)
         try:
-            return original(_map_weight_names(weights, targets, cfg.model_type), *args, **kwargs)
+            unmapped: set[str] = set()
+            result = original(
+                _map_weight_names(weights, targets, cfg.model_type, unmapped), *args, **kwargs
+            )
+            if unmapped:
+                warn_unmapped_scales(unmapped)
+            return result
         finally:
             _ACTIVE_CONFIG.reset(token)
 

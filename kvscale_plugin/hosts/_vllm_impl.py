@@ -30,15 +30,15 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
     claims_checkpoint,
     no_checkpoint_config_error,
     warn_missing_scales,
+    warn_unmapped_scales,
 )
-from kvscale_plugin.names import map_scale_name
+from kvscale_plugin.names import map_scale_name, names_attention_layer
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
@@ -149,15 +149,11 @@ class KVScaleConfig(CompressedTensorsConfig):
 
     def has_attention_layer_for(self, param_name: str) -> bool:
         """Whether a mapped ``<layer>.{k,v,q}_scale`` name targets an attention layer
-        this process built (suffix match: the model may prefix checkpoint names)."""
+        this process built."""
         layers = list(self._attention_layers)
         if not layers or _pipeline_parallel():
             return True  # cannot tell here: leave the name to vLLM's loader
-        target = param_name.rsplit(".", 1)[0]
-        return any(
-            name == target or name.endswith("." + target) or target.endswith("." + name)
-            for name in layers
-        )
+        return names_attention_layer(param_name, layers)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, Attention):
@@ -212,7 +208,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
 
         cfg = self.quant_config
         if cfg.unmapped_scales:
-            _warn_unmapped(cfg.unmapped_scales)
+            warn_unmapped_scales(cfg.unmapped_scales)
         loaded = {name: float(getattr(layer, name).item()) for name in _SCALE_NAMES}
         applies = cfg.kv_verdict.supported and is_quantized_kv_cache(layer.kv_cache_dtype)
         if applies and cfg.corrupt_scales:
@@ -284,18 +280,6 @@ def _pipeline_parallel() -> bool:
         return get_pp_group().world_size > 1
     except AssertionError:  # no distributed group yet
         return False
-
-
-def _warn_unmapped(names: set[str]) -> None:
-    shown = sorted(names)
-    warn_once(
-        "unmapped-scales",
-        "kvscale: %d KV-scale tensor(s) in the checkpoint name no attention layer of this "
-        "model and were not loaded: %s. If they belong to layers this model does build, "
-        "add a name-mapping rule (entry-point group 'kvscale_plugin', see the README).",
-        len(shown),
-        ", ".join(shown),
-    )
 
 
 def _is_dummy_load() -> bool:

@@ -308,7 +308,7 @@ def test_attention_layers_are_found(tiny):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_naming_zoo_and_stray_names(tiny, family):
+def test_naming_zoo_and_stray_names(tiny, family, kvscale_warnings):
     # Layer i uses naming NAMINGS[i] (every convention in one checkpoint), plus zero
     # points, plus scales for layers this model does not have.
     extra = {f"model.layers.{i}.self_attn.{kind}_zero_point": torch.zeros(1)
@@ -320,6 +320,11 @@ def test_naming_zoo_and_stray_names(tiny, family):
                 scales=scales, extra_tensors=extra)
     model, _ = build_model(ckpt)
     assert_scales(layer_scales(model), stored(ckpt))
+    # The stray names are not loaded (SGLang's loader skips them): one warning names both.
+    warnings = kvscale_warnings("name no attention layer")
+    assert len(warnings) == 1, warnings
+    assert "model.layers.7.self_attn.k_scale" in warnings[0]
+    assert "model.layers.9.self_attn.v_proj.v_scale" in warnings[0]
 
 
 def test_third_party_rule_package(tiny, kvscale_warnings):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscale_plugin.names import map_scale_name
+from kvscale_plugin.names import map_scale_name, names_attention_layer
 
 
 @pytest.mark.parametrize("host", ["vllm", "sglang"])
@@ -51,3 +51,20 @@ def test_legacy_kv_scale_warns_once(kvscale_warnings):
     map_scale_name("model.layers.0.self_attn.kv_scale", "vllm")
     map_scale_name("model.layers.1.self_attn.kv_scale", "vllm")
     assert len(kvscale_warnings("deprecated single 'kv_scale'")) == 1
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("model.layers.1.self_attn.attn.k_scale", True),
+        ("model.layers.7.self_attn.attn.k_scale", False),  # a layer the model lacks
+        # Checkpoint prefix differs from the host's (multimodal wrappers): same tail.
+        ("model.language_model.layers.1.self_attn.attn.v_scale", True),
+        ("mtp.layers.0.self_attn.attn.k_scale", True),  # cannot tell: the host decides
+        ("lm_head.attn.k_scale", True),  # no layers.N tail: cannot tell
+    ],
+)
+def test_names_attention_layer(target, expected):
+    layers = ["language_model.model.layers.0.self_attn.attn",
+              "language_model.model.layers.1.self_attn.attn"]
+    assert names_attention_layer(target, layers) is expected
