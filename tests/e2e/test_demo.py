@@ -48,3 +48,27 @@ def test_demo_table_shows_stock_vs_kvscale(tmp_path):
     assert "refused to start: AttributeError" in table
     assert "refused to start: NotImplementedError" in table
     assert len([ln for ln in table.splitlines() if ln.startswith("per-tensor ")]) == 2
+
+
+def test_demo_on_a_users_checkpoint(tiny, tmp_path):
+    ckpt = tiny("kv_scale", naming="kv_scale")
+    out_json = tmp_path / "mine.json"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscale_plugin.cli", "demo", "--model", str(ckpt),
+         "--out", str(tmp_path / "mine.png"), "--json", str(out_json)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["engine"]: r for r in json.loads(out_json.read_text())}
+    assert set(rows) == {"stock-fp8", "kvscale"}
+    assert rows["stock-fp8"]["v_scales"] == [1.0, 1.0]
+    assert rows["kvscale"]["v_scales"] == rows["kvscale"]["k_scales"] != [1.0, 1.0]
+
+
+def test_demo_rejects_a_directory_without_config(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscale_plugin.cli", "demo", "--model", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "no config.json" in proc.stderr
