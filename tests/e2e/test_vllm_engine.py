@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from kvscale_plugin.hosts.vllm_probe import (
     layer_index,
@@ -197,8 +198,12 @@ def test_explicit_kv_cache_dtype_wins(tiny):
 
 
 def test_corrupt_scales_fail_naming_every_tensor(tiny):
-    bad = {0: (0.0, 2.0), 1: (-2.0, 2.0), 2: (2.0, math.nan), 3: (math.inf, 2.0)}
-    ckpt = tiny("corrupt", num_layers=4, scales=bad)
+    bad = {0: (0.0, 2.0), 1: (-2.0, 2.0), 2: (2.0, math.nan), 3: (math.inf, 2.0), 4: (2.0, 2.0)}
+    malformed = {
+        "model.layers.4.self_attn.k_scale": torch.tensor([3], dtype=torch.int32),
+        "model.layers.4.self_attn.v_scale": torch.tensor([2.0, 2.0]),
+    }
+    ckpt = tiny("corrupt", num_layers=5, scales=bad, extra_tensors=malformed)
     with pytest.raises(Exception) as info:
         with vllm_engine(ckpt, quantization="kvscale"):
             pass
@@ -208,6 +213,8 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
         "model.layers.1.self_attn.attn.k_scale",
         "model.layers.2.self_attn.attn.v_scale",
         "model.layers.3.self_attn.attn.k_scale",
+        "model.layers.4.self_attn.attn.k_scale: dtype torch.int32",
+        "model.layers.4.self_attn.attn.v_scale: shape (2,)",
     ):
         assert expected in text, text
     assert "model.layers.0.self_attn.attn.v_scale" not in text  # 2.0 is fine
@@ -255,3 +262,28 @@ def test_scheme_with_omitted_fields_uses_library_defaults(tiny, caplog):
     with pytest.raises(Exception, match="valid QuantizationStrategy|symmetric"):
         with vllm_engine(ckpt):
             pass
+
+
+def test_reload_legacy_kv_scale_leaves_no_stale_v(tiny):
+    big = tiny("kv_scale-big", naming="kv_scale", scales={0: (6.0, 6.0), 1: (7.0, 7.0)})
+    small = tiny("kv_scale-small", naming="kv_scale", scales={0: (2.5, 2.5), 1: (3.5, 3.5)})
+    with vllm_engine(big, quantization="kvscale") as llm:
+        assert_scales_equal_checkpoint(layer_scales(llm), read_stored_scales(big))
+        reload_weights(llm, small)  # v must follow the new k, not keep 6.0 / 7.0
+        assert_scales_equal_checkpoint(layer_scales(llm), read_stored_scales(small))
+
+
+def test_reload_on_fnuz_doubles_once(tiny, monkeypatch):
+    from kvscale_plugin.hosts import _vllm_impl
+
+    ckpt = tiny("default", num_layers=2)
+    stored = read_stored_scales(ckpt)
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        # Pretend to be an FP8-fnuz platform (ROCm MI300) for the reloads only.
+        monkeypatch.setattr(_vllm_impl.current_platform, "is_fp8_fnuz", lambda: True)
+        for _ in range(3):
+            reload_weights(llm, ckpt)
+            for name, s in layer_scales(llm).items():
+                want = stored[layer_index(name)]
+                assert (s.k, s.k_float, s.k_cpu) == pytest.approx((2 * want["k"],) * 3, rel=1e-6)
+                assert (s.v, s.v_float, s.v_cpu) == pytest.approx((2 * want["v"],) * 3, rel=1e-6)

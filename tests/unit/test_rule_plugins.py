@@ -21,10 +21,12 @@ def _installed() -> set[str]:
     return {ep.name for ep in entry_points(group="kvscale_plugin")}
 
 
-pytestmark = pytest.mark.skipif(
-    "example_rules" not in _installed(),
-    reason="tests/rule_package is not installed (make test installs it)",
-)
+def test_rule_package_is_installed():
+    # A missing install must fail here, not silently skip the tests below.
+    assert {"example_rules", "broken_rules"} <= _installed(), (
+        "tests/rule_package is not installed: run `make test` (it installs it with "
+        "`pip install --no-deps -e tests/rule_package`)"
+    )
 
 
 def test_third_party_rule_is_consulted(fresh_manager):

@@ -38,11 +38,6 @@ def test_fnuz_doubles_loaded_scales_but_not_the_default():
     assert resolve_kv_scales(2.0, SENTINEL, fnuz=True).v == 4.0
 
 
-def test_resolution_is_a_pure_function_of_the_loaded_values():
-    # A reload starts from freshly loaded values: resolving twice never compounds.
-    assert resolve_kv_scales(2.0, 3.0, fnuz=True) == resolve_kv_scales(2.0, 3.0, fnuz=True)
-
-
 @pytest.mark.parametrize("bad", [0.0, -2.0, math.nan, math.inf, -math.inf])
 def test_corrupt_values_are_rejected(bad):
     assert scale_problem(bad) is not None

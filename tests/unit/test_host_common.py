@@ -1,0 +1,42 @@
+"""Host-independent pieces both adapters use (no host engine imported)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscale_plugin.hosts._common import (
+    base_version,
+    claims_checkpoint,
+    import_adapter,
+    no_checkpoint_config_error,
+)
+
+
+def test_base_version():
+    assert base_version("0.32.0+cpu") == "0.32.0"
+    assert base_version("not-a-version") == "not-a-version"
+
+
+def test_untested_version_warns_once_and_still_imports(kvscale_warnings):
+    module = import_adapter("vLLM", "9.9.9", ("0.32.0",), "kvscale_plugin.scales")
+    import_adapter("vLLM", "9.9.9", ("0.32.0",), "kvscale_plugin.scales")
+    assert module.__name__ == "kvscale_plugin.scales"
+    warnings = kvscale_warnings("not a version this plugin was tested with")
+    assert len(warnings) == 1 and "vLLM 9.9.9" in warnings[0] and "0.32.0" in warnings[0]
+
+
+def test_moved_internals_fail_naming_the_version():
+    with pytest.raises(RuntimeError, match=r"cannot hook into SGLang 9\.9\.9 \(tested: 0\.5\.23\)"):
+        import_adapter("SGLang", "9.9.9", ("0.5.23",), "kvscale_plugin._no_such_module")
+
+
+def test_claims_only_compressed_tensors_when_asked():
+    ct = {"quant_method": "compressed-tensors"}
+    assert claims_checkpoint(ct, "kvscale") == "kvscale"
+    assert claims_checkpoint(ct, None) is None
+    assert claims_checkpoint({"quant_method": "fp8"}, "kvscale") is None
+
+
+def test_no_checkpoint_config_message_says_what_to_do():
+    text = str(no_checkpoint_config_error("vLLM"))
+    assert "quantization_config" in text and "Drop --quantization kvscale" in text
