@@ -91,7 +91,6 @@ class KVScaleConfig(CompressedTensorsConfig):
             # get_quant_config calls Cls() when the checkpoint has no quantization config.
             raise no_checkpoint_config_error("SGLang")
         super().__init__(*args, **kwargs)
-        self.declared_kv_cache_scheme = self.kv_cache_scheme
         self.kv_verdict: SchemeVerdict = announce_verdict(self.kv_cache_scheme)
         if not self.kv_verdict.supported:
             # Nothing in SGLang may treat an unsupported scheme as servable.

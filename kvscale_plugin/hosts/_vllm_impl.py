@@ -93,7 +93,6 @@ class KVScaleConfig(CompressedTensorsConfig):
             # vLLM calls Cls() when the checkpoint has no quantization config.
             raise no_checkpoint_config_error("vLLM")
         super().__init__(*args, **kwargs)
-        self.declared_kv_cache_scheme = self.kv_cache_scheme
         self.kv_verdict: SchemeVerdict = announce_verdict(self.kv_cache_scheme)
         if not self.kv_verdict.supported:
             # Exposed only when supported: Attention flips `auto` to FP8 on it.
