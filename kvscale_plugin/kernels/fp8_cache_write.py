@@ -117,13 +117,45 @@ def _e4m3_bits_hardware(y):
 
 @triton.jit
 def _quantize_store(
-    src_ptrs,
-    dst_ptrs,
-    scale,
+    src_ptr,
+    src_stride_t,
+    src_stride_h,
+    src_stride_d,
+    dst_ptr,
+    dst_stride_b,
+    dst_stride_s,
+    dst_stride_h,
+    dst_stride_d,
+    scale_ptr,
+    token,
+    block,
+    offset,
+    heads,
+    dims,
+    head_mask,
     mask,
+    PER_HEAD: tl.constexpr,
     HARDWARE_CONVERT: tl.constexpr,
 ):
-    x = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
+    """Quantize one token's K (or V) heads by their scale and store them in the cache."""
+    if PER_HEAD:
+        scale = tl.load(scale_ptr + heads, mask=head_mask, other=1.0)[:, None]
+    else:
+        scale = tl.load(scale_ptr)
+    src = (
+        src_ptr
+        + token * src_stride_t
+        + heads[:, None] * src_stride_h
+        + dims[None, :] * src_stride_d
+    )
+    dst = (
+        dst_ptr
+        + block * dst_stride_b
+        + offset * dst_stride_s
+        + heads[:, None] * dst_stride_h
+        + dims[None, :] * dst_stride_d
+    )
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     # IEEE division, as torch does: ``/`` compiles to the approximate
     # div.full.f32 on NVIDIA, and a multiply by 1/scale rounds differently.
     y = tl.math.div_rn(x, scale)
@@ -131,7 +163,7 @@ def _quantize_store(
         bits = _e4m3_bits_hardware(y)
     else:
         bits = _e4m3_bits_software(y)
-    tl.store(dst_ptrs, bits, mask=mask)
+    tl.store(dst, bits, mask=mask)
 
 
 @triton.jit
@@ -182,44 +214,18 @@ def _fp8_cache_write_kernel(
     head_mask = heads < NUM_HEADS
     mask = head_mask[:, None] & (dims < HEAD_SIZE)[None, :]
 
-    if K_PER_HEAD:
-        k_scale = tl.load(k_scale_ptr + heads, mask=head_mask, other=1.0)[:, None]
-    else:
-        k_scale = tl.load(k_scale_ptr)
-    if V_PER_HEAD:
-        v_scale = tl.load(v_scale_ptr + heads, mask=head_mask, other=1.0)[:, None]
-    else:
-        v_scale = tl.load(v_scale_ptr)
-
-    key_src = (
-        key_ptr
-        + token * key_stride_t
-        + heads[:, None] * key_stride_h
-        + dims[None, :] * key_stride_d
-    )
-    key_dst = (
-        key_cache_ptr
-        + block * key_cache_stride_b
-        + offset * key_cache_stride_s
-        + heads[:, None] * key_cache_stride_h
-        + dims[None, :] * key_cache_stride_d
-    )
-    _quantize_store(key_src, key_dst, k_scale, mask, HARDWARE_CONVERT)
-
-    value_src = (
-        value_ptr
-        + token * value_stride_t
-        + heads[:, None] * value_stride_h
-        + dims[None, :] * value_stride_d
-    )
-    value_dst = (
-        value_cache_ptr
-        + block * value_cache_stride_b
-        + offset * value_cache_stride_s
-        + heads[:, None] * value_cache_stride_h
-        + dims[None, :] * value_cache_stride_d
-    )
-    _quantize_store(value_src, value_dst, v_scale, mask, HARDWARE_CONVERT)
+    _quantize_store(
+        key_ptr, key_stride_t, key_stride_h, key_stride_d,
+        key_cache_ptr, key_cache_stride_b, key_cache_stride_s, key_cache_stride_h,
+        key_cache_stride_d, k_scale_ptr, token, block, offset, heads, dims, head_mask, mask,
+        K_PER_HEAD, HARDWARE_CONVERT,
+    )  # fmt: skip
+    _quantize_store(
+        value_ptr, value_stride_t, value_stride_h, value_stride_d,
+        value_cache_ptr, value_cache_stride_b, value_cache_stride_s, value_cache_stride_h,
+        value_cache_stride_d, v_scale_ptr, token, block, offset, heads, dims, head_mask, mask,
+        V_PER_HEAD, HARDWARE_CONVERT,
+    )  # fmt: skip
 
 
 @functools.cache
