@@ -123,7 +123,7 @@ from kvscale_plugin.checkpoint import (
     open_checkpoint,
 )
 from kvscale_plugin.names import HOSTS, map_scale_name
-from kvscale_plugin.scales import SENTINEL, ScaleSource, resolve_kv_scales, scale_problem
+from kvscale_plugin.scales import ScaleSource, resolve_kv_scales, scale_problem
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
 
 SCHEMA_VERSION = 1
@@ -622,8 +622,8 @@ def _judge_rows(
             row.kvscale = LayerView(None, None, "error",
                                     "start-up stops with CorruptScaleError naming this tensor")
         else:
-            k = row.k.value if row.k is not None and row.k.value is not None else SENTINEL
-            v = row.v.value if row.v is not None and row.v.value is not None else SENTINEL
+            k = row.k.value if row.k is not None else None
+            v = row.v.value if row.v is not None else None
             resolved = resolve_kv_scales(k, v)
             note = {
                 ScaleSource.DUPLICATED: "one scale used for k and v",

@@ -1,29 +1,38 @@
 """Checkpoint-first KV scale resolution (pure torch; imports no host).
 
-One path, no runtime estimation: scale placeholders start at ``SENTINEL``;
-whatever the checkpoint loaded into them decides the layer's scales.
+One path, no runtime estimation: whatever the checkpoint loaded decides the
+layer's scales. "Not loaded" is ``None``, never a magic number, so no real
+value can pass for "missing".
 
-* k and v loaded            -> use them
-* neither loaded            -> 1.0 (the caller warns once: scheme declared, scales missing)
+* k and v loaded             -> use them
+* neither loaded             -> 1.0 (the caller warns once: scheme declared, scales missing)
 * only one (legacy kv_scale) -> use it for both
 * FP8-fnuz platforms         -> x2 (computed from the loaded values every time,
-                               so a reload never compounds it)
+                                so a reload never compounds it)
 
-Only per-tensor scalars are accepted; a loaded value that is 0, negative, NaN or
-inf is corrupt and is reported with every other corrupt tensor in one error.
+A scale is a per-tensor scalar, or -- for ``strategy: attn_head`` -- one value
+per KV head. Every element must be a positive finite float; a bad one is
+reported, naming the tensor and the head, together with every other bad tensor
+in one error.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
-#: Value a scale placeholder holds until the checkpoint writes it: never a valid scale.
+#: Value a host's scale placeholder holds until the checkpoint writes it (vLLM's and
+#: SGLang's loaders and dummy loads need *some* number there). Adapters track what
+#: was loaded explicitly and pass ``None`` for "not loaded"; this value is negative,
+#: so if it ever reached ``resolve_kv_scales`` it would be rejected as corrupt.
 SENTINEL = -1.0
+
+#: A resolved or loaded scale: one float per tensor, or one per KV head.
+Scale = float | Sequence[float]
 
 
 class ScaleSource(str, Enum):
@@ -35,26 +44,32 @@ class ScaleSource(str, Enum):
 
 @dataclass(frozen=True)
 class ResolvedScales:
+    """A layer's scales. ``k`` / ``v`` are the per-layer numbers a one-scale path
+    uses (the max over heads for per-head scales, so that nothing clips);
+    ``k_heads`` / ``v_heads`` hold every head's scale (one entry when per-tensor)."""
+
     k: float
     v: float
     source: ScaleSource
+    k_heads: tuple[float, ...] = ()
+    v_heads: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.k_heads:
+            object.__setattr__(self, "k_heads", (self.k,))
+        if not self.v_heads:
+            object.__setattr__(self, "v_heads", (self.v,))
+
+    @property
+    def per_head(self) -> bool:
+        return len(self.k_heads) > 1 or len(self.v_heads) > 1
 
 
 class CorruptScaleError(ValueError):
-    """Raised when loaded KV scales cannot be served (0, negative, NaN, inf, not scalar)."""
+    """Raised when loaded KV scales cannot be served (0, negative, NaN, inf, bad shape)."""
 
 
-def scale_problem(value: torch.Tensor | float) -> str | None:
-    """Why a loaded scale cannot be used, or None when it is a valid per-tensor scale."""
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            return f"dtype {value.dtype} is not a float scale (expected float32/bf16/fp16)"
-        if value.numel() != 1:
-            return (
-                f"shape {tuple(value.shape)} is not a per-tensor scalar "
-                "(per-channel / per-head KV scales are not supported)"
-            )
-        value = float(value.detach().float().reshape(()).item())
+def _value_problem(value: float) -> str | None:
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
@@ -66,46 +81,116 @@ def scale_problem(value: torch.Tensor | float) -> str | None:
     return None
 
 
+def per_head_shape_ok(shape: Sequence[int], num_heads: int) -> bool:
+    """``[H]``, ``[H, 1, 1]`` (llm-compressor's layout) or any ``[H, 1, ...]``."""
+    return len(shape) >= 1 and shape[0] == num_heads and all(d == 1 for d in shape[1:])
+
+
+def scale_problems(
+    name: str, value: torch.Tensor | float, *, num_heads: int | None = None
+) -> dict[str, str]:
+    """Every reason the loaded ``value`` of tensor ``name`` cannot be served.
+
+    ``num_heads=None``: a per-tensor scalar is expected. ``num_heads=H``: one
+    scale per KV head, shaped ``[H]`` or ``[H, 1, 1]``. Keys are ``name`` (for
+    dtype/shape problems) or ``name[head i]`` (for a bad element). Empty = usable.
+    """
+    if not isinstance(value, torch.Tensor):
+        why = _value_problem(float(value))
+        return {name: why} if why is not None else {}
+    if not value.is_floating_point():
+        return {name: f"dtype {value.dtype} is not a float scale (expected float32/bf16/fp16)"}
+    shape = tuple(value.shape)
+    if num_heads is None:
+        if value.numel() != 1:
+            return {
+                name: f"shape {shape} is not a per-tensor scalar (the kv_cache_scheme says "
+                "strategy 'tensor'; per-head scales need strategy 'attn_head')"
+            }
+        why = _value_problem(float(value.detach().float().reshape(()).item()))
+        return {name: why} if why is not None else {}
+    if not per_head_shape_ok(shape, num_heads):
+        return {
+            name: f"shape {shape} does not match the model's {num_heads} KV heads "
+            f"(strategy 'attn_head' expects [{num_heads}, 1, 1] or [{num_heads}])"
+        }
+    values = value.detach().float().reshape(-1).tolist()
+    problems = {}
+    for head, element in enumerate(values):
+        why = _value_problem(element)
+        if why is not None:
+            problems[f"{name}[head {head}]"] = why
+    return problems
+
+
+def scale_problem(value: torch.Tensor | float, *, num_heads: int | None = None) -> str | None:
+    """Why a loaded scale cannot be used (all reasons, joined), or None when it is valid."""
+    problems = scale_problems("", value, num_heads=num_heads)
+    if not problems:
+        return None
+    return "; ".join(f"{key}: {why}" if key else why for key, why in problems.items())
+
+
 def format_corrupt_scales(problems: Mapping[str, str]) -> str:
     """The error text for every corrupt scale tensor, one per line."""
     lines = "\n".join(f"  - {name}: {why}" for name, why in sorted(problems.items()))
     return (
-        f"kvscale: {len(problems)} KV-cache scale tensor(s) in the checkpoint cannot be "
+        f"kvscale: {len(problems)} KV-cache scale value(s) in the checkpoint cannot be "
         f"used:\n{lines}\n"
         "Serving with these would silently corrupt the FP8 KV cache. Re-calibrate the "
-        "checkpoint (llm-compressor), fix or remove these tensors, or serve without an "
-        "FP8 KV cache (--kv-cache-dtype bfloat16)."
+        "checkpoint (llm-compressor, or `kvscale calibrate`), fix or remove these tensors, "
+        "or serve without an FP8 KV cache (--kv-cache-dtype bfloat16)."
     )
 
 
-def check_scales(named_values: Iterable[tuple[str, torch.Tensor | float]]) -> None:
-    """Raise one ``CorruptScaleError`` naming every bad tensor; return if all are valid."""
-    problems = {
-        name: why for name, value in named_values if (why := scale_problem(value)) is not None
-    }
+def check_scales(
+    named_values: Iterable[tuple[str, torch.Tensor | float]], *, num_heads: int | None = None
+) -> None:
+    """Raise one ``CorruptScaleError`` naming every bad tensor (and head); else return."""
+    problems: dict[str, str] = {}
+    for name, value in named_values:
+        problems.update(scale_problems(name, value, num_heads=num_heads))
     if problems:
         raise CorruptScaleError(format_corrupt_scales(problems))
 
 
-def _loaded(value: float) -> bool:
-    # Anything the loader accepted is > 0 (corrupt values are rejected earlier);
-    # the untouched placeholder still holds SENTINEL.
-    return value != SENTINEL
+def _as_tuple(value: Scale) -> tuple[float, ...]:
+    if isinstance(value, torch.Tensor):
+        return tuple(float(x) for x in value.detach().float().reshape(-1).tolist())
+    if isinstance(value, (int, float)):
+        return (float(value),)
+    return tuple(float(x) for x in value)
 
 
-def resolve_kv_scales(k: float, v: float, *, fnuz: bool = False) -> ResolvedScales:
-    """Resolve a layer's k/v scales from what the checkpoint loaded (or SENTINEL).
+def resolve_kv_scales(k: Scale | None, v: Scale | None, *, fnuz: bool = False) -> ResolvedScales:
+    """Resolve a layer's k/v scales from what the checkpoint loaded (``None`` = not loaded).
 
-    Raises ``CorruptScaleError`` if a loaded value is not a positive finite number.
+    Scalars or per-head sequences. Raises ``CorruptScaleError`` if a loaded value is
+    not a positive finite number, or if k and v have different head counts.
     """
-    check_scales((name, val) for name, val in (("k_scale", k), ("v_scale", v)) if _loaded(val))
+    loaded = {n: _as_tuple(s) for n, s in (("k_scale", k), ("v_scale", v)) if s is not None}
+    problems: dict[str, str] = {}
+    for name, values in loaded.items():
+        for head, element in enumerate(values):
+            why = _value_problem(element)
+            if why is not None:
+                problems[f"{name}[head {head}]" if len(values) > 1 else name] = why
+    if len(loaded) == 2 and len(loaded["k_scale"]) != len(loaded["v_scale"]):
+        problems["v_scale"] = (
+            f"{len(loaded['v_scale'])} value(s) but k_scale has {len(loaded['k_scale'])}"
+        )
+    if problems:
+        raise CorruptScaleError(format_corrupt_scales(problems))
+
     factor = 2.0 if fnuz else 1.0
-    if _loaded(k) and _loaded(v):
-        return ResolvedScales(k * factor, v * factor, ScaleSource.CHECKPOINT)
-    if not _loaded(k) and not _loaded(v):
+    if not loaded:
         return ResolvedScales(1.0, 1.0, ScaleSource.DEFAULT)
-    only = k if _loaded(k) else v
-    return ResolvedScales(only * factor, only * factor, ScaleSource.DUPLICATED)
+    k_heads = loaded.get("k_scale") or loaded["v_scale"]
+    v_heads = loaded.get("v_scale") or loaded["k_scale"]
+    k_heads = tuple(x * factor for x in k_heads)
+    v_heads = tuple(x * factor for x in v_heads)
+    source = ScaleSource.CHECKPOINT if len(loaded) == 2 else ScaleSource.DUPLICATED
+    return ResolvedScales(max(k_heads), max(v_heads), source, k_heads, v_heads)
 
 
 def unscaled() -> ResolvedScales:

@@ -2,8 +2,9 @@
 
 The scheme is parsed with compressed-tensors' own ``QuantizationArgs`` so that
 its defaults and validation are the library's, not ours. A scheme is
-*supported* when it is static, symmetric, per-tensor, 8-bit float: exactly
-what an FP8 (e4m3) KV cache with one calibrated scale per layer can serve.
+*supported* when it is static, symmetric, 8-bit float, with one calibrated
+scale per layer (``strategy: tensor``) or per KV head (``strategy: attn_head``,
+llm-compressor's other KV recipe): what an FP8 (e4m3) KV cache can serve.
 Anything else gets a one-line reason and the caller serves an unscaled cache.
 """
 
@@ -33,6 +34,8 @@ class SchemeVerdict:
     assumed: Mapping[str, Any] = field(default_factory=dict)
     # The parsed compressed-tensors ``QuantizationArgs``, when parsing worked.
     args: Any = None
+    #: Supported and ``strategy: attn_head``: one k/v scale per KV head.
+    per_head: bool = False
 
     def describe(self) -> str:
         """One line for logs and the CLI."""
@@ -95,9 +98,10 @@ def judge_kv_cache_scheme(scheme: Any) -> SchemeVerdict:
             f"type={_show(args.type)} num_bits={args.num_bits} (only 8-bit float maps to an "
             "FP8 e4m3 cache)"
         )
-    if strategy != QuantizationStrategy.TENSOR:
+    if strategy not in (QuantizationStrategy.TENSOR, QuantizationStrategy.ATTN_HEAD):
         problems.append(
-            f"strategy={_show(strategy)} (only per-tensor 'tensor' scales are supported)"
+            f"strategy={_show(strategy)} (only per-tensor 'tensor' and per-head 'attn_head' "
+            "scales are supported)"
         )
     if args.dynamic:
         problems.append(
@@ -115,10 +119,17 @@ def judge_kv_cache_scheme(scheme: Any) -> SchemeVerdict:
             assumed=assumed,
             args=args,
         )
+    per_head = strategy == QuantizationStrategy.ATTN_HEAD
     return SchemeVerdict(
         declared=True,
         supported=True,
-        reason="static symmetric per-tensor 8-bit float: FP8 e4m3 cache with calibrated scales",
+        reason=(
+            "static symmetric per-head (attn_head) 8-bit float: FP8 e4m3 cache with "
+            "calibrated scales per KV head"
+            if per_head
+            else "static symmetric per-tensor 8-bit float: FP8 e4m3 cache with calibrated scales"
+        ),
         assumed=assumed,
         args=args,
+        per_head=per_head,
     )

@@ -210,7 +210,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             raise CorruptScaleError(format_corrupt_scales(cfg.corrupt_scales))
         if applies:
             resolved = resolve_kv_scales(
-                loaded.get("k_scale", SENTINEL), loaded.get("v_scale", SENTINEL), fnuz=is_fp8_fnuz()
+                loaded.get("k_scale"), loaded.get("v_scale"), fnuz=is_fp8_fnuz()
             )
             # No load through load_weights yet (dummy load, e.g. for RL: the real
             # weights come with a later reload): no checkpoint to miss scales from.

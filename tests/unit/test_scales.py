@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from kvscale_plugin.scales import (
-    SENTINEL,
     CorruptScaleError,
     ScaleSource,
     check_scales,
     resolve_kv_scales,
     scale_problem,
+    scale_problems,
 )
 
 
@@ -21,11 +21,11 @@ def test_both_loaded_are_used():
 
 
 def test_neither_loaded_is_one():
-    r = resolve_kv_scales(SENTINEL, SENTINEL)
+    r = resolve_kv_scales(None, None)
     assert (r.k, r.v, r.source) == (1.0, 1.0, ScaleSource.DEFAULT)
 
 
-@pytest.mark.parametrize(("k", "v"), [(4.0, SENTINEL), (SENTINEL, 4.0)])
+@pytest.mark.parametrize(("k", "v"), [(4.0, None), (None, 4.0)])
 def test_single_scale_is_used_for_both(k, v):
     r = resolve_kv_scales(k, v)
     assert (r.k, r.v, r.source) == (4.0, 4.0, ScaleSource.DUPLICATED)
@@ -34,8 +34,8 @@ def test_single_scale_is_used_for_both(k, v):
 def test_fnuz_doubles_loaded_scales_but_not_the_default():
     r = resolve_kv_scales(2.0, 3.0, fnuz=True)
     assert (r.k, r.v) == (4.0, 6.0)
-    assert resolve_kv_scales(SENTINEL, SENTINEL, fnuz=True).k == 1.0
-    assert resolve_kv_scales(2.0, SENTINEL, fnuz=True).v == 4.0
+    assert resolve_kv_scales(None, None, fnuz=True).k == 1.0
+    assert resolve_kv_scales(2.0, None, fnuz=True).v == 4.0
 
 
 @pytest.mark.parametrize("bad", [0.0, -2.0, math.nan, math.inf, -math.inf])
@@ -46,7 +46,7 @@ def test_corrupt_values_are_rejected(bad):
 
 
 def test_non_scalar_is_rejected():
-    assert "per-tensor" in scale_problem(torch.ones(4))
+    assert "per-tensor scalar" in scale_problem(torch.ones(4))
     assert scale_problem(torch.tensor([2.0])) is None
     assert scale_problem(torch.tensor(2.0)) is None
 
@@ -65,3 +65,46 @@ def test_one_error_names_every_bad_tensor():
 def test_non_float_dtype_is_rejected():
     assert "dtype torch.int32" in scale_problem(torch.tensor([3], dtype=torch.int32))
     assert scale_problem(torch.tensor([3.0], dtype=torch.bfloat16)) is None
+
+
+def test_placeholder_value_is_never_taken_for_missing():
+    # -1.0 was the "not loaded" placeholder; a real -1.0 must be corrupt, not missing.
+    with pytest.raises(CorruptScaleError, match="negative"):
+        resolve_kv_scales(-1.0, 2.0)
+
+
+def test_per_head_scales_resolve_per_head_with_max_per_layer():
+    r = resolve_kv_scales([2.0, 5.0], [1.0, 0.5])
+    assert r.per_head and r.k_heads == (2.0, 5.0) and r.v_heads == (1.0, 0.5)
+    assert (r.k, r.v, r.source) == (5.0, 1.0, ScaleSource.CHECKPOINT)
+    r = resolve_kv_scales(torch.tensor([[[2.0]], [[3.0]]]), None, fnuz=True)
+    assert r.k_heads == r.v_heads == (4.0, 6.0) and r.source is ScaleSource.DUPLICATED
+
+
+def test_per_head_k_and_v_must_have_the_same_head_count():
+    with pytest.raises(CorruptScaleError, match="v_scale: 3 value"):
+        resolve_kv_scales([1.0, 2.0], [1.0, 2.0, 3.0])
+
+
+def test_per_head_problem_names_the_head():
+    problems = scale_problems(
+        "model.layers.3.self_attn.k_scale", torch.tensor([[[1.0]], [[math.nan]]]), num_heads=2
+    )
+    assert problems == {"model.layers.3.self_attn.k_scale[head 1]: NaN".split(": ")[0]: "NaN"}
+    with pytest.raises(CorruptScaleError) as info:
+        resolve_kv_scales([1.0, 0.0, -3.0], [1.0, 1.0, 1.0])
+    text = str(info.value)
+    assert "k_scale[head 1]: 0" in text and "k_scale[head 2]: -3.0" in text
+
+
+@pytest.mark.parametrize(
+    "value", [torch.ones(3), torch.ones(2, 2), torch.ones(1), torch.ones(4, 1, 1), torch.ones(())]
+)
+def test_per_head_wrong_shape_names_the_expected_shape(value):
+    why = scale_problem(value, num_heads=2)
+    assert why is not None and "[2, 1, 1]" in why and "2 KV heads" in why
+
+
+@pytest.mark.parametrize("value", [torch.ones(2), torch.ones(2, 1, 1), torch.ones(2, 1)])
+def test_per_head_accepted_layouts(value):
+    assert scale_problem(value, num_heads=2) is None

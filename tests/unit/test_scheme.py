@@ -31,7 +31,8 @@ def test_no_scheme():
         ({"type": "int"}, "type=int"),
         ({"num_bits": 4}, "num_bits=4"),
         ({"strategy": "channel"}, "strategy=channel"),
-        ({"strategy": "attn_head"}, "strategy=attn_head"),
+        ({"strategy": "group", "group_size": 16}, "strategy=group"),
+        ({"strategy": "token", "dynamic": True}, "strategy=token"),
         ({"dynamic": True}, "dynamic=true"),
         ({"symmetric": False}, "symmetric=false"),
     ],
@@ -59,3 +60,16 @@ def test_malformed_scheme_is_unsupported_not_an_exception(scheme, field):
 def test_non_object_scheme():
     verdict = judge_kv_cache_scheme(["fp8"])
     assert verdict.declared and not verdict.supported and "JSON object" in verdict.reason
+
+
+def test_attn_head_is_supported_per_head():
+    verdict = judge_kv_cache_scheme({**FP8_KV_SCHEME, "strategy": "attn_head"})
+    assert verdict.supported and verdict.per_head
+    assert "per-head" in verdict.describe()
+    assert not judge_kv_cache_scheme(FP8_KV_SCHEME).per_head
+
+
+@pytest.mark.parametrize("change", [{"dynamic": True}, {"symmetric": False}, {"num_bits": 4}])
+def test_attn_head_with_other_problems_is_unsupported(change):
+    verdict = judge_kv_cache_scheme({**FP8_KV_SCHEME, "strategy": "attn_head", **change})
+    assert not verdict.supported and not verdict.per_head
