@@ -1,20 +1,27 @@
 """FP8 KV-cache write: the Triton kernel and its plain-torch reference.
 
-Importing this package imports ``triton``; nothing in the package root imports
-it, so hosts without Triton (and the CPU tests that must set
-``TRITON_INTERPRET`` first) decide when it is loaded.
+Importing this package imports ``triton`` when it is installed (without it, as in
+vLLM's CPU build, only the plain-torch modules ``reference`` and ``cpu_cache_write``
+are available); nothing in the package root imports it, so hosts without Triton
+(and the CPU tests that must set ``TRITON_INTERPRET`` first) decide when it is loaded.
 
 ``kvscale_plugin.kernels.fp8_cache_write`` is the function (the Liger-style
 one-op module of the same name is shadowed by it as a package attribute); the
 module itself is ``importlib.import_module("kvscale_plugin.kernels.fp8_cache_write")``.
 """
 
-from kvscale_plugin.kernels.fp8_cache_write import (
-    CONVERSION_ENV,
-    Conversion,
-    fp8_cache_write,
-    use_hardware_conversion,
-)
+try:
+    from kvscale_plugin.kernels.fp8_cache_write import (
+        CONVERSION_ENV,
+        Conversion,
+        fp8_cache_write,
+        use_hardware_conversion,
+    )
+except ModuleNotFoundError as exc:
+    # vLLM's CPU build does not install triton: the plain-torch modules
+    # (reference, cpu_cache_write) must stay importable without it.
+    if exc.name != "triton":
+        raise
 from kvscale_plugin.kernels.reference import fp8_cache_write_reference, quantize_e4m3_reference
 
 __all__ = [
