@@ -1,4 +1,4 @@
-"""The ``kvscale`` console script: ``kvscale inspect MODEL_DIR`` and ``kvscale demo``."""
+"""The ``kvscale`` console script: ``kvscale inspect``, ``kvscale calibrate``, ``kvscale demo``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument("--host", choices=("vllm", "sglang"), default="vllm")
 
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="measure FP8 KV-cache scales with transformers and write a checkpoint with them",
+        description="Run MODEL_DIR with transformers on calibration text, record per "
+        "attention layer (and per KV head for --scheme attn_head) the abs max of the keys "
+        "after rotary embedding and of the values -- exactly what the KV cache stores -- and "
+        "write OUT_DIR: MODEL_DIR's weights (hard-linked or copied), a compressed-tensors "
+        "kv_cache_scheme and self_attn.k_scale / v_scale = amax / 448. MODEL_DIR is never "
+        "modified. Exit status: 0 written, 2 unusable input or existing OUT_DIR.",
+    )
+    from kvscale_plugin import calibrate as calibrate_mod
+
+    calibrate_mod.add_arguments(calibrate)
+
     demo_parser = sub.add_parser(
         "demo",
         help="stock vLLM vs kvscale on real engines, on built-in tiny checkpoints",
@@ -47,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvscale_plugin.inspection import run_inspect
 
         return run_inspect(args.model_dir, as_json=args.json, host=args.host)
+    if args.command == "calibrate":
+        from kvscale_plugin import calibrate
+
+        return calibrate.run(args)
     from kvscale_plugin import demo
 
     return demo.run(args)
