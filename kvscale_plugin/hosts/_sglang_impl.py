@@ -17,6 +17,12 @@ What SGLang 0.5.23 gets from here, beyond its own compressed-tensors support:
   (dense Qwen3, Qwen3-MoE) get the KV method attached after ``__init__``.
 * Mixtral keeps its native model class under ``--quantization kvscale`` (SGLang
   routes Mixtral with an unknown quantization name to ``QuantMixtralForCausalLM``).
+* Per-head scales (``strategy: attn_head``, ``[num_kv_heads, 1, 1]`` per layer):
+  SGLang 0.5.23 has no per-head KV scale path (``BaseKVCacheMethod`` makes a scalar
+  ``k_scale`` and refuses non-scalar values; its compressed-tensors config ignores
+  ``attn_head``; cache writes and attention backends take one scale per layer). kvscale
+  validates every head, keeps this TP rank's heads (``layer.kvscale_k_heads`` /
+  ``kvscale_v_heads``) and serves each layer with the max over them, so nothing clips.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_plugin_source
 
 from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
@@ -53,10 +60,11 @@ from kvscale_plugin.names import map_scale_name, names_attention_layer
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
+    ResolvedScales,
     ScaleSource,
     format_corrupt_scales,
     resolve_kv_scales,
-    scale_problem,
+    scale_problems,
     unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
@@ -97,6 +105,7 @@ class KVScaleConfig(CompressedTensorsConfig):
             self.kv_cache_scheme = None
         # get_quant_config passes the model's HF config inside the quantization dict.
         hf_config = self.config.get("hf_config") if isinstance(self.config, dict) else None
+        self.hf_config: Any = hf_config
         self.model_type: str | None = getattr(hf_config, "model_type", None)
         # Checkpoint tensors whose loaded value cannot be served: name -> why.
         self.corrupt_scales: dict[str, str] = {}
@@ -125,15 +134,111 @@ class KVScaleConfig(CompressedTensorsConfig):
         return super().get_quant_method(layer, prefix)
 
 
+@dataclass(frozen=True)
+class HeadPlacement:
+    """Where this rank's KV heads sit among the model's ``total`` KV heads (attn_head).
+
+    ``heads`` are the indices of the checkpoint's per-head scales this rank serves, or
+    ``None`` with ``problem`` saying why they cannot be placed.
+    """
+
+    total: int
+    heads: tuple[int, ...] | None
+    problem: str | None = None
+
+
+def rank_kv_heads(total_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, ...]:
+    """The KV heads one attention TP rank holds (SGLang's and vLLM's rule): partitioned
+    when ``total_kv_heads >= tp_size``, else each head replicated on
+    ``tp_size // total_kv_heads`` consecutive ranks."""
+    if total_kv_heads <= 0 or tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"bad layout: {total_kv_heads} KV heads, rank {tp_rank} of {tp_size}")
+    if total_kv_heads >= tp_size:
+        per_rank = total_kv_heads // tp_size
+        return tuple(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
+    return (tp_rank // (tp_size // total_kv_heads),)
+
+
+def place_kv_heads(
+    total_kv_heads: int, rank_kv_heads_count: int, layouts: Iterable[tuple[int, int]]
+) -> HeadPlacement:
+    """This rank's heads under the first ``(tp_rank, tp_size)`` layout that gives the
+    attention layer its ``rank_kv_heads_count`` heads (SGLang models split heads over
+    the attention TP group or the full TP group, depending on the model)."""
+    tried = []
+    for rank, size in layouts:
+        try:
+            heads = rank_kv_heads(total_kv_heads, rank, size)
+        except ValueError:
+            continue
+        if len(heads) == rank_kv_heads_count:
+            return HeadPlacement(total_kv_heads, heads)
+        tried.append(f"rank {rank} of {size}")
+    return HeadPlacement(
+        total_kv_heads,
+        None,
+        f"cannot place {total_kv_heads} per-head scales onto this layer's "
+        f"{rank_kv_heads_count} KV head(s) on this rank ({', '.join(tried) or 'no TP layout'})",
+    )
+
+
+def _total_kv_heads(hf_config: Any) -> int | None:
+    if hf_config is None:
+        return None
+    text_config = getattr(hf_config, "get_text_config", None)
+    config = text_config() if callable(text_config) else hf_config
+    for attr in ("num_key_value_heads", "num_attention_heads"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _tp_layouts() -> list[tuple[int, int]]:
+    """(rank, size) of the attention TP group, then of the TP group."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        layouts = []
+        for rank_attr, size_attr in (("attn_tp_rank", "attn_tp_size"), ("tp_rank", "tp_size")):
+            try:
+                rank, size = int(getattr(parallel, rank_attr)), int(getattr(parallel, size_attr))
+            except (AttributeError, RuntimeError, ValueError, TypeError):
+                continue
+            layouts.append((rank, size))
+        return layouts or [(0, 1)]
+    except ImportError:
+        return [(0, 1)]
+
+
+def _head_placement(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadPlacement | None:
+    """None for per-tensor schemes; else which checkpoint heads this layer serves here."""
+    if not cfg.kv_verdict.per_head:
+        return None
+    per_rank = getattr(layer, "tp_k_head_num", None)
+    layouts = _tp_layouts()
+    total = _total_kv_heads(cfg.hf_config)
+    if total is None:
+        # No HF config: the partitioned layout (exact whenever total >= tp size).
+        total = int(per_rank or 1) * max(size for _, size in layouts)
+    if not isinstance(per_rank, int) or per_rank <= 0:
+        return HeadPlacement(total, tuple(range(total)))
+    return place_kv_heads(total, per_rank, layouts)
+
+
 @dataclass(eq=False)
 class _LayerState:
     """What one attention layer's scales came from, across loads and reloads."""
 
     name: str
-    # Scales written by the checkpoint in the current load cycle (name -> value).
-    pending: dict[str, float] = field(default_factory=dict)
+    # attn_head schemes: where this rank's heads sit in the checkpoint's per-head scales.
+    placement: HeadPlacement | None = None
+    # Scales written by the checkpoint in the current load cycle (name -> value; a
+    # tuple of this rank's heads for per-head schemes).
+    pending: dict[str, float | tuple[float, ...]] = field(default_factory=dict)
     # The last checkpoint values, re-resolved when a reload carries no scales.
-    raw: dict[str, float] | None = None
+    raw: dict[str, float | tuple[float, ...]] | None = None
     # Host-side copies kept equal to the served scales (e.g. Qwen3's fused CPU scales).
     mirrors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -157,7 +262,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 
     def create_weights(self, layer: torch.nn.Module) -> None:
         cfg = self.quant_config
-        state = _LayerState(self.layer_name)
+        state = _LayerState(self.layer_name, placement=_head_placement(cfg, layer))
         layer.kvscale_state = state
         cfg._layer_states[self.layer_name] = state
         for name in _SCALE_NAMES:
@@ -169,6 +274,8 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             param.weight_loader = _scale_loader(
                 state, cfg.corrupt_scales, f"{self.layer_name}.{name}", name
             )
+            # One number per layer even for per-head schemes: SGLang's cache writes
+            # divide by it and its backends broadcast it (see the module docstring).
             param._skip_weight_check = True  # SGLang's weight checker: not a model weight
             setattr(param, PLACEHOLDER_ATTR, True)
             setattr(layer, name, param)
@@ -181,6 +288,9 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             setattr(layer, name, param)
         layer.k_scale_float = None
         layer.v_scale_float = None
+        # This rank's per-head scales as served before the per-layer max (read-only view).
+        layer.kvscale_k_heads = ()
+        layer.kvscale_v_heads = ()
 
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
         # SGLang calls this before every update_weights_from_disk / weight sync: a new
@@ -190,7 +300,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             return
         state.pending.clear()
         for name in _SCALE_NAMES:
-            self.quant_config.corrupt_scales.pop(f"{state.name}.{name}", None)
+            _forget_problems(self.quant_config.corrupt_scales, f"{state.name}.{name}")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         state: _LayerState | None = getattr(layer, "kvscale_state", None)
@@ -216,15 +326,29 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             # weights come with a later reload): no checkpoint to miss scales from.
             if resolved.source is ScaleSource.DEFAULT and cfg.weight_loads > 0:
                 _warn_missing_scales(cfg)
+            if resolved.per_head:
+                _announce_per_layer_max()
         else:
             resolved = unscaled()
 
-        _write_scales(layer, state, resolved.k, resolved.v)
+        _write_scales(layer, state, resolved)
         layer.kvscale_source = resolved.source.value
 
 
-def _write_scales(layer: torch.nn.Module, state: _LayerState, k: float, v: float) -> None:
+def _announce_per_layer_max() -> None:
+    warn_once(
+        "sglang-per-head-max",
+        "kvscale: the checkpoint has per-head KV scales (attn_head), but SGLang 0.5.23 "
+        "takes one k/v scale per attention layer (its cache writes and attention backends "
+        "have no per-head path); each layer is served in FP8 with the max of its heads' "
+        "scales, so no head clips (heads with smaller scales get coarser FP8 steps). The "
+        "per-head values are kept in each RadixAttention's kvscale_k_heads/kvscale_v_heads.",
+    )
+
+
+def _write_scales(layer: torch.nn.Module, state: _LayerState, resolved: ResolvedScales) -> None:
     """Update the served tensors in place (backends and CUDA graphs hold them), then copies."""
+    k, v = resolved.k, resolved.v
     with torch.no_grad():
         layer.k_scale.data.fill_(k)
         layer.v_scale.data.fill_(v)
@@ -233,21 +357,42 @@ def _write_scales(layer: torch.nn.Module, state: _LayerState, k: float, v: float
             v_copy.fill_(v)
     layer.k_scale_float = k
     layer.v_scale_float = v
+    layer.kvscale_k_heads = resolved.k_heads
+    layer.kvscale_v_heads = resolved.v_heads
+
+
+def _forget_problems(corrupt: dict[str, str], tensor_name: str) -> None:
+    """Drop what an earlier load said about ``tensor_name`` (and each of its heads)."""
+    for key in [k for k in corrupt if k == tensor_name or k.startswith(f"{tensor_name}[")]:
+        del corrupt[key]
 
 
 def _scale_loader(
     state: _LayerState, corrupt: dict[str, str], tensor_name: str, kind: str
 ) -> Callable[..., None]:
     def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
-        why = scale_problem(loaded_weight)
-        if why is not None:
-            corrupt[tensor_name] = why  # reported, with every other bad tensor, after loading
+        placement = state.placement
+        _forget_problems(corrupt, tensor_name)
+        # Every element of the full tensor (all heads, not only this rank's) is checked.
+        problems = scale_problems(
+            tensor_name, loaded_weight, num_heads=None if placement is None else placement.total
+        )
+        if not problems and placement is not None and placement.heads is None:
+            problems = {tensor_name: str(placement.problem)}
+        if problems:
+            corrupt.update(problems)  # reported, with every other bad tensor, after loading
             return
-        corrupt.pop(tensor_name, None)
-        value = float(loaded_weight.detach().float().reshape(()).item())
+        values = loaded_weight.detach().float().reshape(-1).tolist()
+        value: float | tuple[float, ...]
+        if placement is None:
+            value = float(values[0])
+            served = value
+        else:
+            value = tuple(float(values[h]) for h in placement.heads or ())
+            served = max(value)
         state.pending[kind] = value
         with torch.no_grad():
-            param.data.fill_(value)
+            param.data.fill_(served)
 
     return load_kv_scale
 

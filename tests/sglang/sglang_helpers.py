@@ -15,10 +15,71 @@ from typing import Any
 
 import torch
 
+from kvscale_plugin.tinymodels import FP8_KV_SCHEME
+
 #: Distinct per-layer (k, v) scales, exact in float32, so equality checks are exact.
 SCALES = {0: (3.25, 2.5), 1: (4.75, 2.125)}
 SCALES_B = {0: (1.5, 0.75), 1: (6.5, 5.25)}
 SCALES_C = {0: (2.125, 1.25), 1: (0.625, 0.375)}
+
+#: llm-compressor's other KV recipe: one scale per KV head, stored ``[num_kv_heads, 1, 1]``.
+ATTN_HEAD_SCHEME = {**FP8_KV_SCHEME, "strategy": "attn_head"}
+#: The tiny models' head counts (kvscale_plugin.tinymodels: 4 query heads, 2 KV heads).
+NUM_HEADS, NUM_KV_HEADS = 4, 2
+#: Per-layer, per-head (k heads, v heads), every value distinct and exact in float32; the
+#: largest head differs between layers and between k and v, so a head or layer mix-up shows.
+PER_HEAD = {0: ((3.25, 1.5), (0.75, 2.5)), 1: ((0.625, 4.75), (5.25, 2.125))}
+PER_HEAD_B = {0: ((1.25, 6.5), (3.5, 0.5)), 1: ((2.75, 0.25), (1.75, 4.25))}
+PER_HEAD_C = {0: ((0.375, 0.875), (1.125, 0.625)), 1: ((5.5, 3.75), (0.125, 7.5))}
+
+#: Where a per-head checkpoint stores a layer's tensors, per naming ("{i}" = layer).
+PER_HEAD_NAMINGS = {
+    "self_attn": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.v_scale"),
+    "k_proj": (
+        "model.layers.{i}.self_attn.k_proj.k_scale",
+        "model.layers.{i}.self_attn.v_proj.v_scale",
+    ),
+    "kv_scale": ("model.layers.{i}.self_attn.kv_scale", None),  # legacy: k heads only
+    "k_only": ("model.layers.{i}.self_attn.k_scale", None),
+    "v_only": (None, "model.layers.{i}.self_attn.v_scale"),
+}
+
+
+def per_head_tensor(values, shape=None) -> torch.Tensor:
+    """float32 ``[H, 1, 1]`` (llm-compressor's layout) unless ``shape`` says otherwise."""
+    tensor = torch.tensor(values, dtype=torch.float32)
+    return tensor.reshape(shape if shape is not None else (len(values), 1, 1))
+
+
+def per_head_tensors(
+    scales=PER_HEAD, naming: str = "self_attn", shape=None, q_scales: bool = False
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of per-head scales ``{layer: (k heads, v heads)}``;
+    ``q_scales`` adds llm-compressor's ``q_scale`` ``[num_heads, 1, 1]``."""
+    k_pat, v_pat = PER_HEAD_NAMINGS[naming]
+    out = {}
+    for i, (k, v) in scales.items():
+        if k_pat is not None:
+            out[k_pat.format(i=i)] = per_head_tensor(k, shape)
+        if v_pat is not None:
+            out[v_pat.format(i=i)] = per_head_tensor(v, shape)
+        if q_scales:
+            q = [1.0 + i + h / 8 for h in range(NUM_HEADS)]
+            out[f"model.layers.{i}.self_attn.q_scale"] = per_head_tensor(q)
+    return out
+
+
+def per_head_checkpoint(tiny, name: str, family: str = "llama", scales=PER_HEAD,
+                        naming: str = "self_attn", shape=None, q_scales: bool = False,
+                        extra_tensors=None, **fields: Any) -> Path:
+    """A tiny ``strategy: attn_head`` checkpoint (TinySpec writes per-tensor scales only,
+    so the per-head tensors go in as extra tensors)."""
+    tensors = per_head_tensors(scales, naming, shape, q_scales) if scales is not None else {}
+    tensors.update(extra_tensors or {})
+    fields.setdefault("num_layers", len(scales) if scales is not None else 2)
+    return tiny(name, family=family, kv_cache_scheme=ATTN_HEAD_SCHEME, write_scales=False,
+                scales={i: (1.0, 1.0) for i in range(fields["num_layers"])},  # no calibration
+                extra_tensors=tensors, **fields)
 
 
 @dataclass(frozen=True)
@@ -30,6 +91,9 @@ class Scales:
     source: str | None
     method: str | None
     k_ptr: int | None
+    # kvscale's record of this rank's per-head scales (() without kvscale's KV method).
+    k_heads: tuple[float, ...] = ()
+    v_heads: tuple[float, ...] = ()
 
 
 def build_model(path: Path, quantization: str | None = "kvscale", **config: Any):
@@ -79,6 +143,8 @@ def layer_scales(model: torch.nn.Module) -> dict[str, Scales]:
             source=getattr(layer, "kvscale_source", None),
             method=None if layer.quant_method is None else type(layer.quant_method).__name__,
             k_ptr=None if k is None else k.data_ptr(),
+            k_heads=tuple(getattr(layer, "kvscale_k_heads", ())),
+            v_heads=tuple(getattr(layer, "kvscale_v_heads", ())),
         )
     return out
 
