@@ -35,6 +35,7 @@ def register() -> None:
         )
         _vllm_impl.register_quantization()
         _register_backend()
+        _install_cpu_write()
         _registered = True
         logger.debug("kvscale: registered quantization method '%s'", QUANTIZATION_METHOD)
 
@@ -52,6 +53,23 @@ def _register_backend() -> None:
             "kvscale: the CUSTOM attention backend (fused FP8 cache write) could not be "
             "registered: %s: %s. Scales are still loaded; --attention-backend CUSTOM is "
             "unavailable.",
+            type(exc).__name__,
+            exc,
+        )
+
+
+def _install_cpu_write() -> None:
+    # Round-to-nearest-even FP8 cache write for kvscale layers on vLLM's CPU
+    # platform. Optional like the backend: a failure keeps vLLM's own write.
+    try:
+        from kvscale_plugin.hosts.vllm_cpu_write import install
+
+        install()
+    except Exception as exc:  # noqa: BLE001 - reported, and scale loading keeps working
+        warn_once(
+            "vllm-cpu-write",
+            "kvscale: the CPU FP8 cache write could not be installed: %s: %s. Scales are "
+            "still loaded; vLLM's own CPU cache write (round toward zero) is used.",
             type(exc).__name__,
             exc,
         )

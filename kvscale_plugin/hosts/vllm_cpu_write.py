@@ -1,0 +1,255 @@
+"""Round-to-nearest-even FP8 KV-cache write for kvscale layers on vLLM's CPU platform.
+
+vLLM 0.32's CPU attention writes an FP8 cache with ``cpu_attn_reshape_and_cache``,
+which rounds toward zero (and turns NaN into 448, -0 into +0); every CUDA path
+rounds to nearest even. For attention layers served by kvscale with an FP8 e4m3
+cache, ``install()`` routes the CPU backend's cache-update step,
+``CPUAttentionBackendImpl.do_kv_cache_update``, to
+``kvscale_plugin.kernels.cpu_cache_write``, which stores exactly
+``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)`` at the bytes vLLM's CPU
+attention reads, with ``s`` the same Python-float scales that attention
+dequantizes with (``layer._k_scale_float`` / ``_v_scale_float``). The attention
+itself is vLLM's, unchanged.
+
+The CPU platform ignores ``--attention-backend``, so this is a wrapper of that one
+method, installed once per process by the plugin's ``register()``. It hands every
+call it does not own to vLLM's original: layers not served by kvscale, caches that
+are not FP8 e4m3 (bf16, e5m2), encoder attention, input dtypes other than
+bf16 / fp16 / fp32, and cache layouts other than the one proven here ("vec":
+x86 with AVX-512 and no AMX). A layout is also checked against vLLM's own op on a
+scratch cache before its first use; if the bytes disagree, vLLM's write is kept
+with one warning.
+
+``KVSCALE_CPU_FP8_WRITE=vllm`` keeps vLLM's truncating write for every layer (for
+comparisons); ``rne`` (default) selects kvscale's. Read when a layer first writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin.hosts.vllm_backend import is_kvscale_layer
+
+ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
+"""Environment variable: ``rne`` (default, kvscale's write) or ``vllm`` (vLLM's own)."""
+
+MODES = ("rne", "vllm")
+
+_ORIGINAL_ATTR = "__kvscale_original__"
+_ROUTE_ATTR = "_kvscale_cpu_write_route"
+_FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+_install_lock = threading.Lock()
+_announced: list[bool] = []  # the INFO line is logged once per process
+
+
+def _write(*args: Any) -> None:
+    # Rebound to the kernel itself when a layer first routes to it (_decide): the
+    # kernel module is imported only in processes that write a kvscale FP8 cache.
+    from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_write
+
+    cpu_fp8_cache_write(*args)
+
+
+def write_mode() -> str:
+    """The mode ``KVSCALE_CPU_FP8_WRITE`` selects (unknown values: one warning, ``rne``)."""
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if raw in ("", "rne"):
+        return "rne"
+    if raw == "vllm":
+        return "vllm"
+    warn_once(
+        f"cpu-write-env-{raw}",
+        "kvscale: %s=%r is not one of %s; using 'rne'.",
+        ENV_VAR,
+        raw,
+        "/".join(MODES),
+    )
+    return "rne"
+
+
+def install() -> bool:
+    """Wrap ``CPUAttentionBackendImpl.do_kv_cache_update`` (idempotent).
+
+    Returns True when the wrapper is in place, False on a platform other than
+    vLLM's CPU platform (nothing is touched there).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    with _install_lock:
+        current = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
+        if getattr(current, _ORIGINAL_ATTR, None) is None:
+            CPUAttentionBackendImpl.do_kv_cache_update = _wrap(current)
+    return True
+
+
+def uninstall() -> None:
+    """Put vLLM's original method back (tests)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    with _install_lock:
+        current = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
+        original = getattr(current, _ORIGINAL_ATTR, None)
+        if original is not None:
+            CPUAttentionBackendImpl.do_kv_cache_update = original
+
+
+def _wrap(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def do_kv_cache_update(
+        self: Any,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        layout = _route(self, layer, key, kv_cache)
+        if layout is None:
+            original(self, layer, key, value, kv_cache, slot_mapping)
+            return
+        _write(
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            layer._k_scale_float,
+            layer._v_scale_float,
+            layout,
+        )
+
+    setattr(do_kv_cache_update, _ORIGINAL_ATTR, original)
+    return do_kv_cache_update
+
+
+def _route(
+    impl: Any, layer: torch.nn.Module, key: torch.Tensor, kv_cache: torch.Tensor
+) -> str | None:
+    """The cache layout to write with kvscale's write, or None for vLLM's.
+
+    Decided once per (impl, input dtype): the impl is one layer's, and nothing
+    that decides changes between steps (scales are read at every call).
+    """
+    routes: dict[torch.dtype, str | None] | None = impl.__dict__.get(_ROUTE_ATTR)
+    if routes is None:
+        routes = {}
+        setattr(impl, _ROUTE_ATTR, routes)
+    dtype = key.dtype
+    if dtype not in routes:
+        routes[dtype] = _decide(impl, layer, dtype, kv_cache)
+    return routes[dtype]
+
+
+def _decide(
+    impl: Any, layer: torch.nn.Module, dtype: torch.dtype, kv_cache: torch.Tensor
+) -> str | None:
+    from vllm.v1.attention.backend import AttentionType
+
+    from kvscale_plugin.kernels.cpu_cache_write import INPUT_DTYPES, LAYOUTS
+
+    global _write
+    if not is_kvscale_layer(layer):
+        return None
+    if getattr(impl, "kv_cache_dtype", None) not in _FP8_E4M3_CACHE_DTYPES:
+        return None  # bf16 / fp16 / e5m2 caches: vLLM's write
+    if getattr(impl, "attn_type", None) in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+        return None  # no cache to update (vLLM's method returns at once)
+    if write_mode() == "vllm":
+        warn_once(
+            "cpu-write-vllm",
+            "kvscale: %s=vllm: FP8 KV cache written by vLLM's CPU op (rounds toward zero).",
+            ENV_VAR,
+        )
+        return None
+    if dtype not in INPUT_DTYPES or kv_cache.element_size() != 1 or kv_cache.dim() != 4:
+        warn_once(
+            f"cpu-write-input-{dtype}-{kv_cache.dtype}",
+            "kvscale: FP8 KV cache write for %s activations into a %s cache %s is not "
+            "handled; vLLM's CPU write (round toward zero) is used.",
+            dtype,
+            kv_cache.dtype,
+            tuple(kv_cache.shape),
+        )
+        return None
+    isa = getattr(layer, "isa", None)
+    _, _, block_size, two_hs = kv_cache.shape
+    if isa not in LAYOUTS:
+        warn_once(
+            f"cpu-write-isa-{isa}",
+            "kvscale: vLLM's CPU attention uses the %r cache layout here, which kvscale's "
+            "round-to-nearest-even FP8 write does not handle (only %s); vLLM's own write "
+            "(round toward zero) is used.",
+            isa,
+            "/".join(LAYOUTS),
+        )
+        return None
+    if not layout_matches_vllm(isa, block_size, two_hs // 2, dtype):
+        warn_once(
+            f"cpu-write-layout-{isa}-{block_size}-{two_hs // 2}",
+            "kvscale: kvscale's FP8 cache write does not reproduce vLLM's %r cache layout "
+            "(block size %d, head size %d) on this build; vLLM's own write (round toward "
+            "zero) is used.",
+            isa,
+            block_size,
+            two_hs // 2,
+        )
+        return None
+    from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_write
+
+    _write = cpu_fp8_cache_write
+    if not _announced:
+        _announced.append(True)
+        logger.info(
+            "kvscale: FP8 KV cache of kvscale layers written with round-to-nearest-even "
+            "on the CPU (%s=vllm restores vLLM's truncating write).",
+            ENV_VAR,
+        )
+    return isa
+
+
+@functools.cache
+def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> bool:
+    """Whether kvscale's write puts every byte where vLLM's op puts it, for this layout.
+
+    Both write the same exactly representable values (where rounding cannot
+    differ), with padding slots, into scratch caches; the caches must be equal.
+    """
+    from vllm import _custom_ops as ops
+
+    from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_write
+
+    num_blocks, num_heads = 3, 2
+    num_tokens = 2 * block_size + 2
+    gen = torch.Generator().manual_seed(0)
+    # Finite nonzero e4m3 codes (not 0x00/0x80/NaN, which vLLM's op maps differently).
+    codes = torch.randint(1, 0x7F, (2, num_tokens, num_heads, head_size), generator=gen)
+    codes |= torch.randint(0, 2, codes.shape, generator=gen) << 7
+    values = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
+    key, value = values[0], values[1]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    shape = (num_blocks, num_heads, block_size, 2 * head_size)
+    theirs = torch.randint(0, 256, shape, generator=gen).to(torch.uint8)
+    ours = theirs.clone()
+    key_cache, value_cache = theirs.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, dim=2)
+    try:
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slots, isa,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp8",
+        )  # fmt: skip
+        cpu_fp8_cache_write(key, value, ours, slots, 1.0, 1.0, isa)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
+        logger.debug("kvscale: layout check for %s failed: %s", isa, exc)
+        return False
+    return torch.equal(ours, theirs)

@@ -1,0 +1,386 @@
+"""kvscale's round-to-nearest-even FP8 cache write on real vLLM CPU engines.
+
+The bytes that land in a real engine's cache are compared with the torch contract
+``(x.float() / s).clamp(-448, 448).to(float8_e4m3fn)`` (s = the float scale vLLM's
+CPU attention reads with), at the positions of vLLM's CPU "vec" layout, computed
+here one token at a time: per (block, head), K transposed at ``d * block_size + t``,
+V at ``block_size * head_size + t * head_size + d`` (the kernel tests prove that
+layout against vLLM's own op). Two ways in: calling the wrapped
+``do_kv_cache_update`` of a built engine's layer with crafted tensors, and a real
+generate (chunked prefill, decode, prefix caching) whose K/V are captured at the
+attention layers' inputs by forward hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvscale_plugin import tinymodels
+from kvscale_plugin.hosts import vllm_cpu_write
+from kvscale_plugin.hosts.vllm_probe import (
+    attention_layers,
+    logprob_error,
+    teacher_forced_logprobs,
+    vllm_engine,
+)
+from kvscale_plugin.tinymodels import TinySpec, build_tiny_checkpoint, reference_token_ids
+
+pytestmark = pytest.mark.engine
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# Helpers -----------------------------------------------------------------------
+
+
+def contract(x: torch.Tensor, scale: float) -> torch.Tensor:
+    s = torch.tensor(scale, dtype=torch.float32)
+    return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def layer_cache(layer: torch.nn.Module) -> torch.Tensor:
+    cache = layer.kv_cache
+    return cache[0] if isinstance(cache, (list, tuple)) else cache
+
+
+def expected_cache(cache, key, value, slots, k_scale, v_scale) -> torch.Tensor:
+    out = cache.clone().view(torch.uint8)
+    num_blocks, num_heads, block_size, two_hs = out.shape
+    hs = two_hs // 2
+    flat = out.view(num_blocks, num_heads, 2 * block_size * hs)
+    d = torch.arange(hs)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        b, t = divmod(slot, block_size)
+        flat[b, :, d * block_size + t] = contract(key[i], k_scale)
+        flat[b, :, block_size * hs + t * hs + d] = contract(value[i], v_scale)
+    return out
+
+
+def stored_bytes(cache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V bytes ``[num_heads, head_size]`` of one slot, by the same layout formula."""
+    raw = cache.view(torch.uint8)
+    num_blocks, num_heads, block_size, two_hs = raw.shape
+    hs = two_hs // 2
+    flat = raw.reshape(num_blocks, num_heads, 2 * block_size * hs)
+    b, t = divmod(slot, block_size)
+    d = torch.arange(hs)
+    return flat[b, :, d * block_size + t], flat[b, :, block_size * hs + t * hs + d]
+
+
+def assert_same_fp8(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bytes equal; any NaN (0x7F / 0xFF) matches any NaN."""
+    a, e = actual.view(torch.uint8), expected.view(torch.uint8)
+    both_nan = ((a & 0x7F) == 0x7F) & ((e & 0x7F) == 0x7F)
+    bad = (a != e) & ~both_nan
+    assert not bad.any(), f"{int(bad.sum())} of {a.numel()} bytes differ"
+
+
+def special_values(scale: float) -> torch.Tensor:
+    """NaN, +-inf, beyond +-448, e4m3 subnormals, exact ties, +-0 (times the scale)."""
+    vals = [0.0, float("nan"), float("inf"), 448.0, 449.0, 480.0, 1000.0, 1e6,
+            1.0625, 1.1875, 17.0, 19.0, 2.0 ** -9 * 1.5, 2.0 ** -9 * 0.5,  # ties
+            2.0 ** -9, 2.0 ** -8 * 3, 2.0 ** -7 * 0.875, 2.0 ** -10]  # fmt: skip
+    return (torch.tensor(vals + [-v for v in vals], dtype=torch.float64) * scale).float()
+
+
+def crafted_kv(n, num_heads, head_size, dtype, scale, *, specials, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = num_heads * head_size
+    qkv = torch.randn(n, 3 * width, generator=g) * 150 * scale
+    if specials:
+        sv = special_values(scale)
+        for part in (1, 2):
+            cols = qkv[:, part * width : (part + 1) * width].reshape(-1)
+            cols[torch.randperm(cols.numel(), generator=g)[: sv.numel()]] = sv
+            qkv[:, part * width : (part + 1) * width] = cols.view(n, width)
+    _, k, v = qkv.to(dtype).split(width, dim=-1)
+    return k.view(n, num_heads, head_size), v.view(n, num_heads, head_size)
+
+
+def vllm_op_write(cache, key, value, slots, layer) -> None:
+    from vllm import _custom_ops as ops
+
+    nb, nh, bs, _ = cache.shape
+    key_cache, value_cache = cache.view(nb, nh, 2 * bs, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, slots, layer.isa,
+        k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+        kv_cache_dtype=layer.impl.kv_cache_dtype,
+    )  # fmt: skip
+
+
+def route(layer) -> dict:
+    return layer.impl.__dict__.get("_kvscale_cpu_write_route", {})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_cache: Path) -> Callable[[int], Path]:
+    """A tiny calibrated Llama with a given head size (built once per module)."""
+    built: dict[int, Path] = {}
+
+    def make(head_dim: int) -> Path:
+        if head_dim not in built:
+            original = tinymodels._hf_config
+
+            def with_head_dim(spec: TinySpec, vocab_size: int) -> Any:
+                config = original(spec, vocab_size)
+                config.head_dim = head_dim
+                return config
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(tinymodels, "_hf_config", with_head_dim)
+                built[head_dim] = build_tiny_checkpoint(
+                    tiny_cache / f"cpu-write-hd{head_dim}", TinySpec(), cache_dir=tiny_cache
+                )
+        return built[head_dim]
+
+    return make
+
+
+@contextmanager
+def write_mode(mode: str | None) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        if mode is None:
+            mp.delenv(vllm_cpu_write.ENV_VAR, raising=False)
+        else:
+            mp.setenv(vllm_cpu_write.ENV_VAR, mode)
+        yield
+
+
+def warm(llm: Any) -> None:
+    from vllm import SamplingParams
+
+    llm.generate(["Paged attention"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+# Bytes through a real engine's layers --------------------------------------------
+
+
+ENGINES = [
+    ("bfloat16", 64, 32),
+    ("float16", 64, 32),
+    ("float32", 64, 32),
+    ("bfloat16", 128, 64),
+    ("bfloat16", 32, 128),
+    ("bfloat16", 256, 32),
+]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "block_size"), ENGINES)
+def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size):
+    with write_mode(None), vllm_engine(
+        checkpoint(head_dim), quantization="kvscale", dtype=dtype, block_size=block_size
+    ) as llm:
+        warm(llm)
+        layers = attention_layers(llm)
+        for index, (name, layer) in enumerate(layers.items()):
+            cache = layer_cache(layer)
+            num_blocks, num_heads, bs, two_hs = cache.shape
+            assert (bs, two_hs // 2, layer.isa) == (block_size, head_dim, "vec"), name
+            assert route(layer) == {DTYPES[dtype]: "vec"}, name  # generate went through ours
+            g = torch.Generator().manual_seed(index)
+            for case, n, specials, scales in (
+                ("random", 3 * block_size, False, None),
+                ("special", 2 * block_size, True, None),
+                ("ties at power-of-two scales", 2 * block_size, True, (0.5, 2.0)),
+                ("decode-sized", 3, True, None),
+            ):
+                saved = layer._k_scale_float, layer._v_scale_float
+                if scales is not None:
+                    layer._k_scale_float, layer._v_scale_float = scales
+                try:
+                    ks, vs = layer._k_scale_float, layer._v_scale_float
+                    key, value = crafted_kv(n, num_heads, head_dim, DTYPES[dtype], ks,
+                                            specials=specials)  # fmt: skip
+                    slots = torch.randperm(num_blocks * bs, generator=g)[:n]
+                    slots[1::4] = -1  # padding
+                    expected = expected_cache(cache, key, value, slots, ks, vs)
+                    layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+                    assert_same_fp8(cache, expected)
+                finally:
+                    layer._k_scale_float, layer._v_scale_float = saved
+                print(f"{dtype} hs={head_dim} bs={block_size} {name} {case}: "
+                      f"{cache.numel()} cache bytes equal the contract")  # fmt: skip
+
+
+# A real generate: chunked prefill, decode, prefix caching --------------------------
+
+
+def test_generate_stores_contract_bytes(checkpoint):
+    from vllm import SamplingParams
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    model = checkpoint(64)
+    prefix = list(reference_token_ids(model))
+    prefix = (prefix * 4)[:80]
+    prompts = [prefix + [(7 * i + j) % 300 + 2 for j in range(40)] for i in range(3)]
+    writes: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    step_sizes: list[int] = []
+
+    def capture(name: str):
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            key, value = args[1], args[2]
+            slots = get_attention_context(name)[3]
+            if slots is None:
+                return
+            n = slots.shape[0]
+            hs, nh = module.impl.head_size, module.impl.num_kv_heads
+            writes.setdefault(name, []).append((
+                key[:n].reshape(n, nh, hs).clone(), value[:n].reshape(n, nh, hs).clone(),
+                slots.clone(),
+            ))  # fmt: skip
+            if name.endswith("layers.0.self_attn.attn"):
+                step_sizes.append(n)
+
+        return hook
+
+    with write_mode(None), vllm_engine(
+        model, quantization="kvscale", enable_prefix_caching=True,
+        enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4,
+    ) as llm:  # fmt: skip
+        layers = attention_layers(llm)
+        handles = [
+            layer.register_forward_pre_hook(capture(name), with_kwargs=True)
+            for name, layer in layers.items()
+        ]
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+            rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
+                                use_tqdm=False)  # fmt: skip
+        finally:
+            for h in handles:
+                h.remove()
+        cached = sum(o.num_cached_tokens or 0 for o in rest)
+        checked = 0
+        for name, layer in layers.items():
+            cache = layer_cache(layer)
+            last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for key, value, slots in writes[name]:
+                for i, slot in enumerate(slots.tolist()):
+                    if slot >= 0:
+                        last[slot] = (key[i], value[i])
+            ks, vs = layer._k_scale_float, layer._v_scale_float
+            for slot, (k, v) in last.items():
+                k_bytes, v_bytes = stored_bytes(cache, slot)
+                assert_same_fp8(k_bytes, contract(k, ks))
+                assert_same_fp8(v_bytes, contract(v, vs))
+            checked += len(last)
+    assert len(first[0].outputs[0].token_ids) == 12 and all(
+        len(o.outputs[0].token_ids) == 12 for o in rest
+    )
+    total_prompt = sum(len(p) for p in prompts)
+    print(f"steps (tokens per step, layer 0): {step_sizes}; prefix-cached tokens: {cached}; "
+          f"slots checked over all layers: {checked}")  # fmt: skip
+    assert cached >= 64  # the later prompts reused the shared prefix's blocks
+    assert max(step_sizes) <= 64 and any(1 < n < 64 for n in step_sizes)  # chunked prefill
+    assert step_sizes.count(1) >= 10 and 2 in step_sizes  # decode, alone and batched
+    assert sum(step_sizes) < total_prompt + 3 * 12  # cached prefix not recomputed
+
+
+# Everything else keeps vLLM's write --------------------------------------------------
+
+
+def assert_vllm_write_kept(llm: Any) -> None:
+    for name, layer in attention_layers(llm).items():
+        cache = layer_cache(layer)
+        if cache.element_size() == 1:
+            assert all(v is None for v in route(layer).values()), name
+        nb, nh, bs, two_hs = cache.shape
+        key, value = crafted_kv(2 * bs, nh, two_hs // 2, torch.bfloat16, 1.0, specials=True)
+        slots = torch.randperm(nb * bs)[: 2 * bs]
+        slots[::5] = -1
+        expected = cache.clone()
+        vllm_op_write(expected, key, value, slots, layer)
+        layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8)), name
+
+
+def test_stock_fp8_layers_keep_vllms_write(checkpoint):
+    with write_mode(None), vllm_engine(checkpoint(64)) as llm:  # no --quantization kvscale
+        warm(llm)
+        assert all(layer.impl.kv_cache_dtype == "fp8" for layer in attention_layers(llm).values())
+        assert_vllm_write_kept(llm)
+
+
+def test_kvscale_bf16_cache_keeps_vllms_write(checkpoint):
+    with write_mode(None), vllm_engine(
+        checkpoint(64), quantization="kvscale", kv_cache_dtype="bfloat16"
+    ) as llm:
+        warm(llm)
+        layers = attention_layers(llm).values()
+        assert all(layer_cache(layer).dtype == torch.bfloat16 for layer in layers)
+        assert_vllm_write_kept(llm)
+
+
+def test_env_var_restores_vllms_write(checkpoint, kvscale_warnings):
+    with write_mode("vllm"), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+        warm(llm)
+        assert_vllm_write_kept(llm)
+    assert len(kvscale_warnings("KVSCALE_CPU_FP8_WRITE=vllm")) == 1
+
+
+def test_unproven_layout_falls_back_with_one_warning(checkpoint, kvscale_warnings, monkeypatch):
+    with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+        layers = list(attention_layers(llm).values())
+        for layer in layers:  # before the first write: what an AMX machine would select
+            layer.isa = "amx"
+        assert_vllm_write_kept(llm)
+        assert len(kvscale_warnings("'amx' cache layout")) == 1
+        # A layout name we know but whose bytes disagree with vLLM's op on this build.
+        monkeypatch.setattr(vllm_cpu_write, "layout_matches_vllm", lambda *a: False)
+        for layer in layers:
+            layer.isa = "vec"
+            layer.impl.__dict__.pop("_kvscale_cpu_write_route", None)
+        assert_vllm_write_kept(llm)
+        assert len(kvscale_warnings("does not reproduce vLLM's 'vec' cache layout")) == 1
+
+
+def test_register_installs_the_wrapper_once():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from kvscale_plugin.hosts.vllm import register
+
+    register()
+    method = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
+    original = method.__kvscale_original__
+    assert not hasattr(original, "__kvscale_original__")
+    assert vllm_cpu_write.install() is True
+    assert CPUAttentionBackendImpl.__dict__["do_kv_cache_update"] is method
+    vllm_cpu_write.uninstall()
+    try:
+        assert CPUAttentionBackendImpl.__dict__["do_kv_cache_update"] is original
+    finally:
+        vllm_cpu_write.install()
+    assert CPUAttentionBackendImpl.__dict__["do_kv_cache_update"].__kvscale_original__ is original
+
+
+# Accuracy on the tiny boosted model ---------------------------------------------------
+
+
+def test_rne_write_is_closer_to_the_bf16_cache_than_vllms(checkpoint):
+    model = checkpoint(64)
+    ids = reference_token_ids(model)
+    runs = {}
+    for label, kwargs, mode in (
+        ("bf16", dict(kv_cache_dtype="bfloat16"), None),
+        ("stock", {}, None),
+        ("kvscale-vllm-write", dict(quantization="kvscale"), "vllm"),
+        ("kvscale", dict(quantization="kvscale"), None),
+    ):
+        with write_mode(mode), vllm_engine(model, **kwargs) as llm:
+            runs[label] = teacher_forced_logprobs(llm, ids)
+    err = {k: logprob_error(v, runs["bf16"])[0] for k, v in runs.items() if k != "bf16"}
+    print("mean|dlogprob| vs bf16 cache:", {k: round(v, 5) for k, v in err.items()})
+    assert err["kvscale-vllm-write"] == err["stock"]  # same scales, same (vLLM's) write
+    assert err["kvscale"] < err["stock"]
+    assert os.environ.get(vllm_cpu_write.ENV_VAR) is None
