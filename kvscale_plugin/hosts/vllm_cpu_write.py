@@ -44,18 +44,17 @@ MODES = ("rne", "vllm")
 
 _ORIGINAL_ATTR = "__kvscale_original__"
 _ROUTE_ATTR = "_kvscale_cpu_write_route"
+_VIEWS_ATTR = "_kvscale_cpu_cache_views"
 _FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 _install_lock = threading.Lock()
 _announced: list[bool] = []  # the INFO line is logged once per process
 
 
-def _write(*args: Any) -> None:
-    # Rebound to the kernel itself when a layer first routes to it (_decide): the
-    # kernel module is imported only in processes that write a kvscale FP8 cache.
-    from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_write
-
-    cpu_fp8_cache_write(*args)
+# Bound to the kernel module's functions when a layer first routes to it (_decide):
+# the module is imported only in processes that write a kvscale FP8 cache.
+_write: Callable[..., None]
+_views: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def write_mode() -> str:
@@ -119,6 +118,11 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         if layout is None:
             original(self, layer, key, value, kv_cache, slot_mapping)
             return
+        views = self.__dict__.get(_VIEWS_ATTR)
+        if views is None or views[0] is not kv_cache:
+            # Per layer, for as long as the engine hands over the same cache tensor.
+            views = (kv_cache, _views(kv_cache, layout))
+            setattr(self, _VIEWS_ATTR, views)
         _write(
             key,
             value,
@@ -127,6 +131,7 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
             layer._k_scale_float,
             layer._v_scale_float,
             layout,
+            views[1],
         )
 
     setattr(do_kv_cache_update, _ORIGINAL_ATTR, original)
@@ -158,7 +163,7 @@ def _decide(
 
     from kvscale_plugin.kernels.cpu_cache_write import INPUT_DTYPES, LAYOUTS
 
-    global _write
+    global _write, _views
     if not is_kvscale_layer(layer):
         return None
     if getattr(impl, "kv_cache_dtype", None) not in _FP8_E4M3_CACHE_DTYPES:
@@ -205,9 +210,9 @@ def _decide(
             two_hs // 2,
         )
         return None
-    from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_write
+    from kvscale_plugin.kernels.cpu_cache_write import cpu_cache_views, cpu_fp8_cache_write
 
-    _write = cpu_fp8_cache_write
+    _write, _views = cpu_fp8_cache_write, cpu_cache_views
     if not _announced:
         _announced.append(True)
         logger.info(

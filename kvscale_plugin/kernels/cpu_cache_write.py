@@ -36,20 +36,27 @@ LAYOUTS = ("vec",)
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# One-element fp32 tensors per scale value: dividing a bf16/fp16 tensor by a
-# 1-d fp32 tensor promotes to fp32, so ``div`` computes ``x.float() / s`` in a
-# single op. Bounded: scales change only on a weight reload.
-_scale_tensors: dict[float, torch.Tensor] = {}
-_MAX_SCALE_TENSORS = 4096
+# fp32 divisor tensors per scale value: dividing a bf16 / fp16 tensor by a
+# dimensioned fp32 tensor promotes to fp32, so one ``div`` computes
+# ``x.float() / s`` exactly. Bounded: scales change only on a weight reload.
+_scale_tensors: dict[tuple[float, ...], torch.Tensor] = {}
+_MAX_ENTRIES = 4096
 
 
-def _scale_tensor(scale: float) -> torch.Tensor:
-    t = _scale_tensors.get(scale)
+def _scale_tensor(*scales: float) -> torch.Tensor:
+    """``[1]`` for one scale; ``[2, 1, 1, 1]`` for a (K, V) pair."""
+    t = _scale_tensors.get(scales)
     if t is None:
-        if len(_scale_tensors) >= _MAX_SCALE_TENSORS:
+        if len(_scale_tensors) >= _MAX_ENTRIES:
             _scale_tensors.clear()
-        t = _scale_tensors[scale] = torch.tensor([scale], dtype=torch.float32)
+        shape = (1,) if len(scales) == 1 else (len(scales), 1, 1, 1)
+        t = _scale_tensors[scales] = torch.tensor(scales, dtype=torch.float32).view(shape)
     return t
+
+
+def _quantize_(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` (a fresh tensor, clamped in place) -> e4m3 bytes, round to nearest even."""
+    return y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,8 +65,7 @@ def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     One ``div`` (a 1-d fp32 divisor promotes bf16 / fp16 to fp32 exactly), an
     in-place clamp (keeps NaN) and torch's round-to-nearest-even conversion.
     """
-    y = torch.div(x, _scale_tensor(float(scale)))
-    return y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return _quantize_(torch.div(x, _scale_tensor(float(scale)))).view(torch.float8_e4m3fn)
 
 
 def cpu_cache_views(
@@ -67,7 +73,9 @@ def cpu_cache_views(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``uint8`` views ``[num_blocks, block_size, num_kv_heads, head_size]`` of one
     layer's CPU cache such that ``view[block, t, h, d]`` is the byte vLLM's CPU
-    attention reads for token ``t`` of ``block``, head ``h``, element ``d`` (K, V)."""
+    attention reads for token ``t`` of ``block``, head ``h``, element ``d`` (K, V).
+
+    The views hold the cache's storage: keep them no longer than the cache itself."""
     if layout not in LAYOUTS:
         raise ValueError(f"unsupported CPU cache layout {layout!r}; supported: {LAYOUTS}")
     if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
@@ -102,6 +110,7 @@ def cpu_fp8_cache_write(
     k_scale: float,
     v_scale: float,
     layout: str = "vec",
+    views: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Quantize K and V (round to nearest even) and scatter them into vLLM's CPU cache.
 
@@ -111,23 +120,24 @@ def cpu_fp8_cache_write(
     uint8 (or float8_e4m3fn) tensor, written in place. ``slot_mapping``: int32/int64
     ``[num_tokens]``, ``block * block_size + offset``; slots < 0 are left untouched.
     ``k_scale`` / ``v_scale``: the scales vLLM's CPU attention dequantizes with.
+    ``views``: ``cpu_cache_views(kv_cache, layout)``, if the caller keeps them per cache.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    key_view, value_view = cpu_cache_views(kv_cache, layout)
+    key_view, value_view = views if views is not None else cpu_cache_views(kv_cache, layout)
     block_size = key_view.shape[1]
-    key = key[:num_tokens]
-    value = value[:num_tokens]
     slots = slot_mapping
+    # K and V quantized together: one stack, one div by (k_scale, v_scale), one clamp,
+    # one conversion (the write sits on every step, where op count is the cost).
+    kv = torch.stack((key[:num_tokens], value[:num_tokens]))
     if bool((slots < 0).any()):
         keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots - blocks * block_size
-    index = (blocks, offsets)
-    key_view.index_put_(index, quantize_e4m3(key, k_scale).view(torch.uint8))
-    value_view.index_put_(index, quantize_e4m3(value, v_scale).view(torch.uint8))
+        slots, kv = slots[keep], kv[:, keep]
+    q = _quantize_(torch.div(kv, _scale_tensor(float(k_scale), float(v_scale))))
+    index = (torch.div(slots, block_size, rounding_mode="floor"), slots.remainder(block_size))
+    key_view.index_put_(index, q[0])
+    value_view.index_put_(index, q[1])
 
 
 def cpu_fp8_cache_read(
