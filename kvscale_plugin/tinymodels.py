@@ -69,7 +69,13 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 @dataclass
 class TinySpec:
-    """What to build. ``scales`` maps layer index -> (k, v); None means calibrate."""
+    """What to build. ``scales`` maps layer index -> (k, v); None means calibrate.
+
+    ``per_head``: store one k/v scale per KV head (``[num_kv_heads, 1, 1]``, what
+    llm-compressor writes for ``strategy: attn_head``); ``scales`` then holds
+    per-head sequences. ``head_boost`` multiplies each KV head's K/V by its own
+    extra factor (compensated in q/o like ``boost``) so heads need distinct scales.
+    """
 
     family: str = "llama"
     num_layers: int = 2
@@ -84,6 +90,9 @@ class TinySpec:
     num_shards: int = 1
     # Write a compressed-tensors quantization_config (with or without a kv_cache_scheme).
     quantization_config: bool = True
+    per_head: bool = False
+    head_boost: Sequence[float] | None = None
+    num_kv_heads: int = 2
 
 
 def _tokenizer_files(cache_dir: Path) -> Path:
@@ -131,7 +140,7 @@ def _hf_config(spec: TinySpec, vocab_size: int) -> Any:
         intermediate_size=512,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=spec.num_kv_heads,
         head_dim=64,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
@@ -188,8 +197,14 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike[str], spec: TinySpec | None
                 if getattr(proj, "bias", None) is not None:
                     scale = spec.boost if proj is not attn.q_proj else 1.0 / spec.boost
                     proj.bias.mul_(scale)
+            if spec.head_boost is not None:
+                _boost_heads(attn, config, spec.head_boost)
 
-    scales = dict(spec.scales) if spec.scales is not None else _calibrate(model, tokenizer)
+    scales = (
+        dict(spec.scales)
+        if spec.scales is not None
+        else _calibrate(model, tokenizer, per_head=spec.per_head)
+    )
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     stored: dict[int, dict[str, float]] = {}
     if spec.kv_cache_scheme is not None and spec.write_scales:
@@ -198,12 +213,14 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike[str], spec: TinySpec | None
             k_pat, v_pat = NAMINGS[namings[i % len(namings)]]
             k, v = scales[i]
             if v_pat is None:  # legacy single scale: the larger one covers both
-                kv = max(k, v)
-                sd[k_pat.format(i=i)] = torch.tensor([kv], dtype=torch.float32)
+                kv: Any = (
+                    [max(a, b) for a, b in zip(k, v, strict=True)] if spec.per_head else max(k, v)
+                )
+                sd[k_pat.format(i=i)] = _scale_tensor(kv, spec.per_head)
                 stored[i] = {"k": kv, "v": kv}
             else:
-                sd[k_pat.format(i=i)] = torch.tensor([k], dtype=torch.float32)
-                sd[v_pat.format(i=i)] = torch.tensor([v], dtype=torch.float32)
+                sd[k_pat.format(i=i)] = _scale_tensor(k, spec.per_head)
+                sd[v_pat.format(i=i)] = _scale_tensor(v, spec.per_head)
                 stored[i] = {"k": k, "v": v}
     for name, tensor in spec.extra_tensors.items():
         sd[name] = tensor
@@ -234,6 +251,31 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike[str], spec: TinySpec | None
     return out
 
 
+def _scale_tensor(value: Any, per_head: bool) -> torch.Tensor:
+    # llm-compressor's layouts: [1] per tensor, [num_kv_heads, 1, 1] per head.
+    if per_head:
+        return torch.tensor(list(value), dtype=torch.float32).reshape(-1, 1, 1)
+    return torch.tensor([value], dtype=torch.float32)
+
+
+def _boost_heads(attn: Any, config: Any, head_boost: Sequence[float]) -> None:
+    """Scale KV head h's K and V by head_boost[h]; undo it in the query heads of its
+    group (for K) and in o_proj's input columns for those heads (for V)."""
+    n_kv, n_q, hd = config.num_key_value_heads, config.num_attention_heads, config.head_dim
+    group = n_q // n_kv
+    for h, factor in enumerate(head_boost):
+        kv_rows = slice(h * hd, (h + 1) * hd)
+        q_rows = slice(h * group * hd, (h + 1) * group * hd)
+        attn.k_proj.weight[kv_rows].mul_(factor)
+        attn.v_proj.weight[kv_rows].mul_(factor)
+        attn.q_proj.weight[q_rows].div_(factor)
+        attn.o_proj.weight[:, q_rows].div_(factor)
+        for proj, rows, f in ((attn.k_proj, kv_rows, factor), (attn.v_proj, kv_rows, factor),
+                              (attn.q_proj, q_rows, 1.0 / factor)):
+            if getattr(proj, "bias", None) is not None:
+                proj.bias[rows].mul_(f)
+
+
 def _save_shards(out: Path, sd: dict[str, torch.Tensor], num_shards: int, save_file: Any) -> None:
     names = list(sd)
     if num_shards <= 1:
@@ -252,15 +294,20 @@ def _save_shards(out: Path, sd: dict[str, torch.Tensor], num_shards: int, save_f
     )
 
 
-def _calibrate(model: Any, tokenizer: Any) -> dict[int, tuple[float, float]]:
-    """Per-layer amax/448 of K (after RoPE) and V over the corpus, as llm-compressor would."""
-    amax: dict[int, list[float]] = {}
+def _calibrate(
+    model: Any, tokenizer: Any, *, per_head: bool = False
+) -> dict[int, tuple[Any, Any]]:
+    """Per-layer (or per-KV-head) amax/448 of K (after RoPE) and V over the corpus."""
+    n_kv = model.config.num_key_value_heads
+    amax: dict[int, list[torch.Tensor]] = {}
     hooks = []
 
     def make_hook(i: int, kind: int) -> Any:
         def hook(_m: Any, _inp: Any, output: torch.Tensor) -> None:
-            cur = amax.setdefault(i, [0.0, 0.0])
-            cur[kind] = max(cur[kind], float(output.detach().abs().max()))
+            heads = output.detach().abs().reshape(-1, n_kv, output.shape[-1] // n_kv)
+            per = heads.amax(dim=(0, 2))
+            cur = amax.setdefault(i, [torch.zeros(n_kv), torch.zeros(n_kv)])
+            cur[kind] = torch.maximum(cur[kind], per)
 
         return hook
 
@@ -274,9 +321,11 @@ def _calibrate(model: Any, tokenizer: Any) -> dict[int, tuple[float, float]]:
     for h in hooks:
         h.remove()
     # RoPE rotates pairs of K elements: allow sqrt(2) headroom on K.
-    return {
-        i: (round(k * 1.4142 / 448.0, 6), round(v / 448.0, 6)) for i, (k, v) in amax.items()
-    }
+    def scale(t: torch.Tensor, headroom: float) -> Any:
+        values = [round(float(x) * headroom / 448.0, 6) for x in t]
+        return values if per_head else max(values)
+
+    return {i: (scale(k, 1.4142), scale(v, 1.0)) for i, (k, v) in amax.items()}
 
 
 def read_stored_scales(model_dir: str | os.PathLike[str]) -> dict[int, dict[str, float]]:

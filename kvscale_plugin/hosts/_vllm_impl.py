@@ -30,6 +30,7 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin._log import info_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
@@ -42,10 +43,12 @@ from kvscale_plugin.names import map_scale_name, names_attention_layer
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
+    ResolvedScales,
     ScaleSource,
     format_corrupt_scales,
+    per_head_shape_ok,
     resolve_kv_scales,
-    scale_problem,
+    scale_problems,
     unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
@@ -178,18 +181,27 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
 
     def create_weights(self, layer: torch.nn.Module) -> None:
         # Called again on every in-place reload: build fresh placeholders each time.
+        cfg = self.quant_config
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
-        self.quant_config._attention_layers[layer_name] = layer
+        cfg._attention_layers[layer_name] = layer
+        # A new load cycle for this layer: what an earlier cycle found corrupt is moot.
+        for key in [k for k in cfg.corrupt_scales if k.startswith(layer_name + ".")]:
+            del cfg.corrupt_scales[key]
+        heads = _HeadLayout.for_layer(cfg, layer) if cfg.kv_verdict.per_head else None
+        layer.kvscale_heads = heads.local if heads is not None else None
         for name in _SCALE_NAMES:
+            per_head = heads is not None and name != "prob_scale"
             # float32 explicitly: vLLM builds layers under the model's default dtype
             # (bf16), which would round a calibrated 3.8649 to 3.8594.
             param = torch.nn.Parameter(
-                torch.tensor(SENTINEL, dtype=torch.float32), requires_grad=False
+                torch.full((heads.local,) if per_head else (), SENTINEL, dtype=torch.float32),
+                requires_grad=False,
             )
             param.weight_loader = _scale_loader(
-                self.quant_config.corrupt_scales, f"{layer_name}.{name}"
+                cfg.corrupt_scales, f"{layer_name}.{name}", heads if per_head else None,
+                is_query=name == "q_scale",
             )
-            # A dummy load must leave the sentinel, not tiny random "scales".
+            # A dummy load must leave the placeholder, not tiny random "scales".
             param.dummy_weight_value = SENTINEL
             setattr(layer, name, param)
         for name in _ZERO_POINT_NAMES:
@@ -208,7 +220,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         cfg = self.quant_config
         if cfg.unmapped_scales:
             warn_unmapped_scales(cfg.unmapped_scales)
-        loaded = {name: float(getattr(layer, name).item()) for name in _SCALE_NAMES}
+        loaded = {name: _loaded_value(getattr(layer, name)) for name in _SCALE_NAMES}
         applies = cfg.kv_verdict.supported and is_quantized_kv_cache(layer.kv_cache_dtype)
         if applies and cfg.corrupt_scales:
             raise CorruptScaleError(format_corrupt_scales(cfg.corrupt_scales))
@@ -218,32 +230,85 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             resolved = resolve_kv_scales(loaded["k_scale"], loaded["v_scale"], fnuz=fnuz)
             if resolved.source is ScaleSource.DEFAULT and not _is_dummy_load():
                 _warn_missing_scales(cfg)
-            q_scale = (
-                loaded["q_scale"] * (2.0 if fnuz else 1.0)
-                if loaded["q_scale"] != SENTINEL
-                else resolved.k
-            )
+            # As stock vLLM: a q scale only when the checkpoint has one, else 1.0.
+            q = loaded["q_scale"]
+            q_heads = tuple(x * (2.0 if fnuz else 1.0) for x in q) if q is not None else (1.0,)
+            if resolved.per_head and current_platform.is_cpu():
+                info_once(
+                    "per-head-cpu",
+                    "kvscale: per-head KV scales: vLLM's CPU attention takes one scale per "
+                    "layer, so the FP8 cache is written and read with each layer's max over "
+                    "its heads (nothing clips)."
+                )
         else:
             resolved = unscaled()
-            q_scale = 1.0
+            q_heads = (1.0,)
 
-        _write_scales(layer, resolved.k, resolved.v, q_scale)
+        _write_scales(layer, resolved, q_heads)
         layer.kvscale_source = resolved.source.value
         for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
             delattr(layer, name)
 
 
-def _write_scales(layer: torch.nn.Module, k: float, v: float, q: float) -> None:
-    """Update device tensors in place (kernels and CUDA graphs hold them), then host copies."""
-    layer._k_scale.fill_(k)
-    layer._v_scale.fill_(v)
-    layer._q_scale.fill_(q)
+class _HeadLayout:
+    """Which of a layer's checkpoint heads this tensor-parallel rank holds.
+
+    The same rule as stock vLLM: KV heads are partitioned over ranks when there are
+    at least as many as ranks, and replicated (one per rank) below that.
+    """
+
+    def __init__(self, total_kv: int, total_q: int, local: int, rank: int, size: int) -> None:
+        self.total_kv, self.total_q, self.local = total_kv, total_q, local
+        if local * size == total_kv:
+            self.start = rank * local
+        else:
+            if local != 1 or size % total_kv:
+                raise ValueError(
+                    f"kvscale: cannot place {total_kv} KV heads on {size} tensor-parallel "
+                    f"ranks holding {local} head(s) each"
+                )
+            self.start = rank // (size // total_kv)
+
+    @classmethod
+    def for_layer(cls, cfg: KVScaleConfig, layer: torch.nn.Module) -> _HeadLayout:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        local = int(layer.num_kv_heads)
+        size = get_tensor_model_parallel_world_size()
+        total_kv = cfg.total_num_kv_heads or local * size
+        total_q = cfg.total_num_heads or int(layer.num_heads) * size
+        return cls(total_kv, total_q, local, get_tensor_model_parallel_rank(), size)
+
+    def take(self, values: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        """This rank's KV heads of a flattened per-head vector (q: reduced by max per group)."""
+        if is_query and values.numel() == self.total_q != self.total_kv:
+            values = values.reshape(self.total_kv, -1).amax(dim=1)
+        return values[self.start : self.start + self.local]
+
+
+def _write_scales(
+    layer: torch.nn.Module, resolved: ResolvedScales, q_heads: tuple[float, ...]
+) -> None:
+    """Update device tensors in place (kernels and CUDA graphs hold them), then host copies.
+
+    Per-head layers hold one value per local KV head in ``_k_scale`` / ``_v_scale`` /
+    ``_q_scale`` (as stock vLLM lays them out); the Python floats and CPU copies hold
+    the per-layer max, which is what one-scale paths (CPU attention) read."""
+    for name, values in (
+        ("_k_scale", resolved.k_heads),
+        ("_v_scale", resolved.v_heads),
+        ("_q_scale", q_heads),
+    ):
+        _fill_device(layer, name, values)
     layer._prob_scale.fill_(1.0)
-    layer._k_scale_float = k
-    layer._v_scale_float = v
-    layer._q_scale_float = q
+    layer._k_scale_float = resolved.k
+    layer._v_scale_float = resolved.v
+    layer._q_scale_float = max(q_heads)
     layer._prob_scale_float = 1.0
-    for name, value in (("_k_scale_cpu", k), ("_v_scale_cpu", v)):
+    for name, value in (("_k_scale_cpu", resolved.k), ("_v_scale_cpu", resolved.v)):
         host = getattr(layer, name, None)
         if isinstance(host, torch.Tensor):
             host.fill_(value)
@@ -251,16 +316,46 @@ def _write_scales(layer: torch.nn.Module, k: float, v: float, q: float) -> None:
             setattr(layer, name, torch.tensor(value, dtype=torch.float32))
 
 
+def _fill_device(layer: torch.nn.Module, name: str, values: tuple[float, ...]) -> None:
+    current: torch.Tensor = getattr(layer, name)
+    heads = getattr(layer, "kvscale_heads", None)
+    if heads is None:
+        current.fill_(values[0] if len(values) == 1 else max(values))
+        return
+    target = torch.tensor(values, dtype=torch.float32).expand(heads)
+    if tuple(current.shape) == (heads,):
+        current.copy_(target)  # reloads: same buffer, new values
+    else:
+        # First load of a per-head layer: the scalar default becomes one per head.
+        layer.register_buffer(name, target.to(current.device).clone())
+
+
 # Loaders are plain functions (not functools.partial): vLLM's in-place reload
 # wraps them and reads their __name__; its replay binds the first argument "param".
-def _scale_loader(corrupt: dict[str, str], tensor_name: str) -> Callable[..., None]:
+def _scale_loader(
+    corrupt: dict[str, str],
+    tensor_name: str,
+    heads: _HeadLayout | None = None,
+    *,
+    is_query: bool = False,
+) -> Callable[..., None]:
     def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        why = scale_problem(loaded_weight)
-        if why is not None:
-            corrupt[tensor_name] = why  # reported, with every other bad tensor, after loading
+        for key in [k for k in corrupt if k == tensor_name or k.startswith(tensor_name + "[")]:
+            del corrupt[key]
+        expected = None
+        if heads is not None:
+            expected = heads.total_kv
+            if is_query and not per_head_shape_ok(tuple(loaded_weight.shape), heads.total_kv):
+                expected = heads.total_q  # llm-compressor: one q scale per query head
+        problems = scale_problems(tensor_name, loaded_weight, num_heads=expected)
+        if problems:
+            corrupt.update(problems)  # reported, with every other bad tensor, after loading
             return
-        corrupt.pop(tensor_name, None)
-        param.data.copy_(loaded_weight.detach().reshape(()).to(param.dtype))
+        values = loaded_weight.detach().float().reshape(-1)
+        if heads is not None:
+            values = heads.take(values, is_query=is_query)
+        param.data.copy_(values.reshape(param.shape).to(param.device, param.dtype))
+        param.kvscale_loaded = True
 
     return load_kv_scale
 
@@ -290,13 +385,20 @@ def _is_dummy_load() -> bool:
     return config is not None and str(config.load_config.load_format) == "dummy"
 
 
+def _loaded_value(param: torch.Tensor) -> tuple[float, ...] | None:
+    """What the checkpoint wrote into a placeholder, or None when nothing was loaded."""
+    if not getattr(param, "kvscale_loaded", False):
+        return None
+    return tuple(float(x) for x in param.detach().float().reshape(-1).tolist())
+
+
 def _warn_missing_scales(cfg: KVScaleConfig) -> None:
     warn_missing_scales(
         name
         for name, layer in cfg._attention_layers.items()
         if hasattr(layer, "k_scale")
-        and float(layer.k_scale.item()) == SENTINEL
-        and float(layer.v_scale.item()) == SENTINEL
+        and not getattr(layer.k_scale, "kvscale_loaded", False)
+        and not getattr(layer.v_scale, "kvscale_loaded", False)
     )
 
 

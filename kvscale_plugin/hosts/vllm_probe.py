@@ -36,6 +36,9 @@ class LayerScales:
     source: str | None  # kvscale's resolution ("checkpoint", "duplicated", ...), None if stock
     k_ptr: int
     v_ptr: int
+    # Every value of the device tensors: one per local KV head for per-head layers.
+    k_heads: tuple[float, ...] = ()
+    v_heads: tuple[float, ...] = ()
 
     @property
     def pool_is_fp8(self) -> bool:
@@ -117,6 +120,8 @@ def layer_scales(llm: Any) -> dict[str, LayerScales]:
             source=getattr(layer, "kvscale_source", None),
             k_ptr=layer._k_scale.data_ptr(),
             v_ptr=layer._v_scale.data_ptr(),
+            k_heads=tuple(float(x) for x in layer._k_scale.reshape(-1).tolist()),
+            v_heads=tuple(float(x) for x in layer._v_scale.reshape(-1).tolist()),
         )
     return out
 
@@ -163,6 +168,23 @@ def model_kv_scales(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     per attention layer (k, v) device-tensor scales, for whatever process holds the model."""
     return {
         name: (float(m._k_scale.reshape(-1)[0]), float(m._v_scale.reshape(-1)[0]))
+        for name, m in model.named_modules()
+        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
+    }
+
+
+def model_kv_head_scales(
+    model: torch.nn.Module,
+) -> dict[str, tuple[list[float], list[float], float, float]]:
+    """``llm.apply_model`` target: per attention layer, every value of the k and v
+    device tensors (one per KV head this rank holds) and the two Python floats."""
+    return {
+        name: (
+            [float(x) for x in m._k_scale.reshape(-1).tolist()],
+            [float(x) for x in m._v_scale.reshape(-1).tolist()],
+            float(m._k_scale_float),
+            float(m._v_scale_float),
+        )
         for name, m in model.named_modules()
         if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
     }
