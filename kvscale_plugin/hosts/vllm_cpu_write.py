@@ -121,7 +121,10 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         views = self.__dict__.get(_VIEWS_ATTR)
         if views is None or views[0] is not kv_cache:
             # Per layer, for as long as the engine hands over the same cache tensor.
-            views = (kv_cache, _views(kv_cache, layout))
+            # Built as normal (not inference-mode) views, which are writable both in
+            # vLLM's inference-mode forward and outside it.
+            with torch.inference_mode(False):
+                views = (kv_cache, _views(kv_cache, layout))
             setattr(self, _VIEWS_ATTR, views)
         _write(
             key,
