@@ -304,6 +304,11 @@ def _write_scales(
     ):
         _fill_device(layer, name, values)
     layer._prob_scale.fill_(1.0)
+    if getattr(layer, "kvscale_heads", None) is not None:
+        # Device copies of the per-layer max, for one-scale GPU paths (kvscale's CUSTOM
+        # backend writes and reads a per-head layer's cache with them).
+        _fill_device(layer, "_kvscale_k_max", (resolved.k,), scalar=True)
+        _fill_device(layer, "_kvscale_v_max", (resolved.v,), scalar=True)
     layer._k_scale_float = resolved.k
     layer._v_scale_float = resolved.v
     layer._q_scale_float = max(q_heads)
@@ -316,9 +321,16 @@ def _write_scales(
             setattr(layer, name, torch.tensor(value, dtype=torch.float32))
 
 
-def _fill_device(layer: torch.nn.Module, name: str, values: tuple[float, ...]) -> None:
-    current: torch.Tensor = getattr(layer, name)
-    heads = getattr(layer, "kvscale_heads", None)
+def _fill_device(
+    layer: torch.nn.Module, name: str, values: tuple[float, ...], *, scalar: bool = False
+) -> None:
+    current: torch.Tensor | None = getattr(layer, name, None)
+    if current is None:  # first load: a new buffer beside _k_scale, on its device
+        layer.register_buffer(
+            name, torch.tensor(values[0], dtype=torch.float32, device=layer._k_scale.device)
+        )
+        return
+    heads = None if scalar else getattr(layer, "kvscale_heads", None)
     if heads is None:
         current.fill_(values[0] if len(values) == 1 else max(values))
         return

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin._log import info_once, logger, warn_once
 
 BACKEND_NAME = "CUSTOM"
 BACKEND_CLASS_PATH = f"{__name__}.KVScaleTritonAttentionBackend"
@@ -81,6 +81,23 @@ def __getattr__(name: str) -> Any:
     if name in _CLASS_NAMES:
         return _build_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_PER_HEAD_NOT_OURS = (
+    "kvscale: layer {} has per-head KV scales but is not served by kvscale; the CUSTOM "
+    "backend (vLLM's Triton attention) reads one scale per layer and would mis-scale every "
+    "head but the first. Serve the checkpoint with --quantization kvscale, or choose "
+    "another attention backend."
+)
+
+
+def _announce_per_head_max() -> None:
+    info_once(
+        "custom-backend-per-head",
+        "kvscale: per-head KV scales on the CUSTOM backend: vLLM's Triton attention takes "
+        "one scale per layer, so each layer's FP8 cache is written and read with the max "
+        "over its heads (nothing clips).",
+    )
 
 
 def is_kvscale_layer(layer: object) -> bool:
@@ -144,9 +161,11 @@ def _define_classes() -> dict[str, type]:
             kv_cache: torch.Tensor,
             slot_mapping: torch.Tensor,
         ) -> None:
-            if not (
-                self.kvscale_cache_ok and is_kvscale_layer(layer) and key.dtype in input_dtypes
-            ):
+            per_head = layer._k_scale.numel() > 1
+            ours = is_kvscale_layer(layer)
+            if per_head and not ours and self.kvscale_cache_ok:
+                raise RuntimeError(_PER_HEAD_NOT_OURS.format(getattr(layer, "layer_name", "?")))
+            if not (self.kvscale_cache_ok and ours and key.dtype in input_dtypes):
                 super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
                 return
             if "ours" not in logged:
@@ -160,15 +179,31 @@ def _define_classes() -> dict[str, type]:
             # more (CUDA-graph padding) rows than slot_mapping; the kernel writes
             # len(slot_mapping) tokens, as vLLM's kernels do.
             key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            if per_head:
+                # vLLM's Triton attention reads one k/v scale per layer (the first
+                # element): per-head layers are written and read with the layer max.
+                _announce_per_head_max()
+                k_scale, v_scale = layer._kvscale_k_max, layer._kvscale_v_max
+            else:
+                k_scale, v_scale = layer._k_scale, layer._v_scale
             fp8_cache_write(
-                key,
-                value,
-                key_cache,
-                value_cache,
-                slot_mapping,
-                layer._k_scale,
-                layer._v_scale,
+                key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
             )
+
+        def forward(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not (
+                self.kvscale_cache_ok
+                and layer._k_scale.numel() > 1
+                and is_kvscale_layer(layer)
+            ):
+                return super().forward(layer, *args, **kwargs)
+            # The same per-layer max the cache was written with, for the read.
+            saved = layer._k_scale, layer._v_scale
+            layer._k_scale, layer._v_scale = layer._kvscale_k_max, layer._kvscale_v_max
+            try:
+                return super().forward(layer, *args, **kwargs)
+            finally:
+                layer._k_scale, layer._v_scale = saved
 
     class KVScaleTritonAttentionBackend(TritonAttentionBackend):
         """vLLM's Triton attention backend with kvscale's fused FP8 cache write."""
@@ -181,6 +216,12 @@ def _define_classes() -> dict[str, type]:
         @staticmethod
         def get_impl_cls() -> type[KVScaleTritonAttentionImpl]:
             return KVScaleTritonAttentionImpl
+
+        @classmethod
+        def supports_per_head_quant_scales(cls) -> bool:
+            # kvscale's per-head layers are served with the per-layer max (write and
+            # read); any other per-head layer is refused at its first cache write.
+            return True
 
     classes: dict[str, type] = {
         "KVScaleTritonAttentionBackend": KVScaleTritonAttentionBackend,

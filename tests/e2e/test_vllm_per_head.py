@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvscale_plugin.hosts.vllm_probe import (
+    attention_layers,
     layer_index,
     layer_scales,
     logprob_error,
@@ -138,12 +139,20 @@ def test_reload_dummy_then_real_then_new_per_head_scales(tiny, per_head):
     with vllm_engine(per_head, quantization="kvscale", load_format="dummy") as llm:
         dummy = layer_scales(llm)
         assert all(s.k_heads == (1.0, 1.0) for s in dummy.values())
+        # The per-layer max on the device (kvscale's CUSTOM backend reads it).
+        max_ptrs = {n: lyr._kvscale_k_max.data_ptr() for n, lyr in attention_layers(llm).items()}
         for ckpt in (per_head, other, other, per_head):
             reload_weights(llm, ckpt)
             now = layer_scales(llm)
-            assert_heads_equal_checkpoint(now, read_stored_scales(ckpt))
+            stored = read_stored_scales(ckpt)
+            assert_heads_equal_checkpoint(now, stored)
             for name, s in now.items():  # same buffers, updated in place
                 assert (s.k_ptr, s.v_ptr) == (dummy[name].k_ptr, dummy[name].v_ptr)
+            for name, lyr in attention_layers(llm).items():
+                want = stored[layer_index(name)]
+                assert float(lyr._kvscale_k_max) == pytest.approx(max(want["k"]), rel=1e-6)
+                assert float(lyr._kvscale_v_max) == pytest.approx(max(want["v"]), rel=1e-6)
+                assert lyr._kvscale_k_max.data_ptr() == max_ptrs[name]
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["partitioned", "replicated"])

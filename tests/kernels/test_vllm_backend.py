@@ -291,3 +291,77 @@ def test_encoder_layers_write_nothing(parent_writes: list, our_writes: list) -> 
     impl.do_kv_cache_update(make_layer(KVScaleMethod()), key, value, kv_cache, slots)
     assert our_writes == [] and parent_writes == []
     assert torch.equal(kv_cache, before)
+
+
+# Per-head (attn_head) layers ------------------------------------------------------
+
+
+def make_per_head_layer(method: object | None) -> Any:
+    """A layer as kvscale's KV method leaves a per-head one: one k/v value per KV head
+    in _k_scale / _v_scale (stock vLLM's layout), and the per-layer max beside them."""
+    layer = make_layer(method)
+    layer._k_scale = torch.tensor([0.37, 4.1], device=DEVICE)
+    layer._v_scale = torch.tensor([2.9, 0.6], device=DEVICE)
+    layer._kvscale_k_max = torch.tensor(4.1, device=DEVICE)
+    layer._kvscale_v_max = torch.tensor(2.9, device=DEVICE)
+    return layer
+
+
+def test_backend_accepts_per_head_checkpoints() -> None:
+    # vLLM's selector refuses backends without this for attn_head checkpoints.
+    assert vllm_backend.KVScaleTritonAttentionBackend.supports_per_head_quant_scales()
+    assert not triton_attn.TritonAttentionBackend.supports_per_head_quant_scales()
+
+
+def test_per_head_kvscale_layer_is_written_with_the_layer_max(
+    parent_writes: list, our_writes: list
+) -> None:
+    impl = make_impl("fp8")
+    layer = make_per_head_layer(KVScaleMethod())
+    key, value, slots = make_inputs()
+    kv_cache = vllm_kv_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    expected = kv_cache.clone()
+    key_cache, value_cache = split_kv_cache(expected, HEAD_SIZE)
+    fp8_cache_write_reference(
+        key, value, key_cache, value_cache, slots, layer._kvscale_k_max, layer._kvscale_v_max
+    )
+    impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+    assert len(our_writes) == 1 and parent_writes == []
+    assert our_writes[0][5] is layer._kvscale_k_max and our_writes[0][6] is layer._kvscale_v_max
+    assert_same_fp8(kv_cache, expected)
+
+
+def test_per_head_kvscale_layer_is_read_with_the_layer_max(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Triton attention reads one scale (the first element): during our forward the
+    layer shows it the max buffers, and its own per-head tensors come back afterwards."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def parent_forward(self: Any, layer: Any, *args: Any, **kwargs: Any) -> str:
+        seen.append((layer._k_scale, layer._v_scale))
+        return "out"
+
+    monkeypatch.setattr(triton_attn.TritonAttentionImpl, "forward", parent_forward)
+    impl = make_impl("fp8")
+    layer = make_per_head_layer(KVScaleMethod())
+    per_head = layer._k_scale, layer._v_scale
+    assert impl.forward(layer, "q", "k", "v", "cache", "meta", "out") == "out"
+    assert seen == [(layer._kvscale_k_max, layer._kvscale_v_max)]
+    assert (layer._k_scale, layer._v_scale) == per_head
+    per_tensor = make_layer(KVScaleMethod())
+    impl.forward(per_tensor, "q", "k", "v", "cache", "meta", "out")
+    assert seen[-1] == (per_tensor._k_scale, per_tensor._v_scale)
+
+
+def test_per_head_layer_not_served_by_kvscale_is_refused(
+    parent_writes: list, our_writes: list
+) -> None:
+    impl = make_impl("fp8")
+    layer = make_per_head_layer(OtherMethod())
+    layer.layer_name = "model.layers.0.self_attn.attn"
+    key, value, slots = make_inputs()
+    kv_cache = vllm_kv_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    with pytest.raises(RuntimeError, match=r"model.layers.0.self_attn.attn has per-head KV"):
+        impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+    assert our_writes == [] and parent_writes == []
