@@ -394,13 +394,19 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise CalibrationError(f"{dst} exists and is not a directory")
 
 
+def _default_scale_name(module: str, kind: str) -> str:
+    return f"{module}.{kind}_scale"
+
+
 def write_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                      scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scheme: str, *,
-                     force: bool = False, record: Mapping[str, Any] | None = None) -> Path:
+                     force: bool = False, record: Mapping[str, Any] | None = None,
+                     scale_name: Callable[[str, str], str] = _default_scale_name) -> Path:
     """Write OUT_DIR = MODEL_DIR's files + KV scheme + scale tensors (see module doc).
 
     ``scales`` maps attention module names (``model.layers.N.self_attn``) to float32
-    (k_scale, v_scale) tensors. Existing k/v scale tensors of MODEL_DIR (any naming the
+    (k_scale, v_scale) tensors, stored as ``scale_name(module, "k" | "v")`` (default
+    ``<module>.k_scale``). Existing k/v scale tensors of MODEL_DIR (any naming the
     engines load) are left out of OUT_DIR. Built in a temporary sibling directory and
     renamed into place, so an interrupted run leaves no half-written OUT_DIR.
     """
@@ -428,7 +434,7 @@ def write_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     except CheckpointError as exc:
         raise CalibrationError(str(exc)) from exc
     new_qc = quantization_config_with_kv(config, scheme)
-    new_tensors = {f"{name}.{kind}_scale": t.contiguous()
+    new_tensors = {scale_name(name, kind): t.contiguous()
                    for name, (k, v) in scales.items() for kind, t in (("k", k), ("v", v))}
     has_index = (src / INDEX_NAME).is_file()
     weight_files = {f.resolve() for f in files}
@@ -488,6 +494,19 @@ def write_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLi
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def read_scales(model_dir: str | os.PathLike[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The ``<module>.k_scale`` / ``.v_scale`` tensors of a checkpoint, per module."""
+    from kvscale_plugin.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(model_dir)
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, info in ckpt.tensors.items():
+        if name.endswith(".k_scale") and (v := ckpt.tensors.get(name[:-7] + "v_scale")):
+            out[name[: -len(".k_scale")]] = (ckpt.read_tensor(info).clone(),
+                                             ckpt.read_tensor(v).clone())
+    return {n: out[n] for n in _sorted_modules(out)}
 
 
 # --------------------------------------------------------------------------- report
