@@ -72,3 +72,59 @@ def test_demo_rejects_a_directory_without_config(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+def test_table_summarizes_many_layers_and_keeps_few():
+    from kvscale_plugin.demo import EngineResult, render_table
+
+    many = [0.5 + 0.01 * i for i in range(30)]
+    many[7], many[18] = 0.1, 2.0
+    rows = [
+        EngineResult("real", "kvscale", True, k_scales=many, v_scales=[1.0] * 30,
+                     cache_dtype="fp8", mean_err=0.09, max_err=1.1, ppl=19.6, top1=0.95),
+        EngineResult("few", "stock-fp8", True, k_scales=[3.86, 4.56], v_scales=[1.0, 1.0],
+                     cache_dtype="fp8", mean_err=0.08, max_err=0.2),
+    ]
+    table = render_table(rows)
+    real = next(ln for ln in table.splitlines() if ln.startswith("real "))
+    assert "0.1@L7 / 0.645 / 2@L18" in real and "1 (all 30)" in real
+    assert real.rstrip().endswith("19.60   95.0%")
+    few = next(ln for ln in table.splitlines() if ln.startswith("few "))
+    assert "3.86 4.56" in few
+    assert "min@layer / median / max@layer" in table
+    widths = {len(ln) for ln in table.splitlines()[:4]}
+    assert len(widths) == 1  # header, rule and rows line up
+
+
+def test_demo_real_pipeline(monkeypatch, tiny, tmp_path, capsys):
+    # The --real orchestration (fetch, calibrate, output_scale variant, six engines, table,
+    # plot, JSON) on a plain tiny model standing in for SmolLM2 to keep it fast; SmolLM2
+    # itself is served in tests/e2e/test_real_model.py.
+    from kvscale_plugin import demo, realmodel
+
+    plain = tiny("demo-real-plain", num_layers=3, kv_cache_scheme=None,
+                 quantization_config=False)
+    monkeypatch.setattr(realmodel, "smollm2_checkpoint", lambda cache_dir=None, log=None: plain)
+    monkeypatch.setattr(demo, "REAL_CALIBRATION", {"num_samples": 4, "max_len": 128})
+    out_json = tmp_path / "real.json"
+    rc = demo.main(["--real", "--tokens", "300", "--cache-dir", str(tmp_path / "c"),
+                    "--out", str(tmp_path / "real.png"), "--json", str(out_json)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = {(r["variant"], r["engine"]): r for r in json.loads(out_json.read_text())}
+    assert list(rows) == [("no scales", "stock-fp8"), ("calibrated", "stock-fp8"),
+                          ("calibrated", "kvscale"), ("output_scale", "stock-fp8"),
+                          ("output_scale", "kvscale")]
+    written = json.loads((tmp_path / "c" / "real" / "calibrated" /
+                          "kvscale_calibration.json").read_text())
+    k_amax = [max(v) for v in written["k_amax"].values()]
+    calibrated = rows["calibrated", "kvscale"]
+    assert calibrated["k_scales"] == pytest.approx([a / 448 for a in k_amax], rel=1e-6)
+    assert rows["output_scale", "kvscale"]["k_scales"] == calibrated["k_scales"]
+    assert not rows["output_scale", "stock-fp8"]["started"]
+    assert rows["no scales", "stock-fp8"]["k_scales"] == [1.0, 1.0, 1.0]
+    # The boosted stand-in's K/V exceed 448: calibrated scales win by far over 1.0.
+    assert calibrated["mean_err"] * 3 < rows["no scales", "stock-fp8"]["mean_err"]
+    assert calibrated["top1"] is not None and calibrated["ppl"] > 1
+    assert "refused to start: AttributeError" in text and "top-1" in text
+    assert (tmp_path / "real.png").read_bytes()[:4] == b"\x89PNG"
