@@ -58,7 +58,7 @@ def default_model(tiny: bool, work_dir: Path) -> Path:
             return smollm2_checkpoint(log=lambda m: print(f"# {m}"))
     from kvscale_plugin.tinymodels import TinySpec, build_tiny_checkpoint
 
-    out = work_dir / "tiny-calibrated"
+    out = work_dir / "models" / "tiny-calibrated"
     if not (out / "config.json").exists():
         build_tiny_checkpoint(out, TinySpec(num_layers=3), cache_dir=work_dir)
     return out

@@ -128,10 +128,12 @@ def cpu_fp8_cache_write(
     key_view, value_view = views if views is not None else cpu_cache_views(kv_cache, layout)
     block_size = key_view.shape[1]
     slots = slot_mapping
+    if key.shape[0] != num_tokens:
+        key, value = key[:num_tokens], value[:num_tokens]
     # K and V quantized together: one stack, one div by (k_scale, v_scale), one clamp,
     # one conversion (the write sits on every step, where op count is the cost).
-    kv = torch.stack((key[:num_tokens], value[:num_tokens]))
-    if bool((slots < 0).any()):
+    kv = torch.stack((key, value))
+    if slots.min().item() < 0:
         keep = slots >= 0
         slots, kv = slots[keep], kv[:, keep]
     q = _quantize_(torch.div(kv, _scale_tensor(float(k_scale), float(v_scale))))
