@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import pluggy
 
 from kvscale_plugin import hookspecs
-from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin._log import warn_once
 
 ENTRY_POINT_GROUP = "kvscale_plugin"
 HOSTS = ("vllm", "sglang")
@@ -28,7 +28,8 @@ HOSTS = ("vllm", "sglang")
 # ``model.layers.{num_layers}``, ``model.mtp_layers.N``) only change the prefix,
 # which every rule keeps as it is.
 _ATTN = r"(?:self_attn|self_attention|attention|mixer)"
-_PROJ = r"(?:[qkv]|qkv|qk|qkqkv)_proj"
+# k_proj / v_proj (ModelOpt, Llama), qkv_proj (Qwen2 / Qwen3-MoE fused), q_proj (q scales).
+_PROJ = r"(?:[qkv]|qkv)_proj"
 
 _RULES: list[tuple[re.Pattern[str], str]] = [
     # Already in host form.
@@ -136,11 +137,6 @@ def map_scale_name(name: str, host: str, model_type: str | None = None) -> str |
     )
 
 
-def is_kv_scale_target(name: str) -> bool:
-    """Whether a host parameter name is an attention KV-scale / zero-point placeholder."""
-    return bool(re.search(r"\.attn\.[qkv]_(?:scale|zero_point)$", name))
-
-
 _LAYER_TAIL = re.compile(r"(?:^|\.)(layers\.\d+\..+)$")
 
 
@@ -161,16 +157,3 @@ def names_attention_layer(target: str, layer_names: Iterable[str]) -> bool:
         (m := _LAYER_TAIL.search(name)) is not None and m.group(1) == tail.group(1)
         for name in layer_names
     )
-
-
-def make_name_mapper(host: str, model_type: str | None = None) -> Callable[[str], str]:
-    """A ``name -> name`` function for a host loader: mapped when a rule applies, else unchanged."""
-
-    def mapper(name: str) -> str:
-        mapped = map_scale_name(name, host, model_type)
-        if mapped is not None and mapped != name:
-            logger.debug("kvscale: %s -> %s", name, mapped)
-            return mapped
-        return name
-
-    return mapper

@@ -68,12 +68,15 @@ def claims_checkpoint(hf_quant_cfg: dict[str, Any], user_quant: str | None) -> s
     return None
 
 
-def announce_verdict(scheme: Any) -> SchemeVerdict:
-    """Judge a checkpoint's ``kv_cache_scheme`` and tell the user once what it means."""
+def announce_verdict(scheme: Any, scope: str = "") -> SchemeVerdict:
+    """Judge a checkpoint's ``kv_cache_scheme`` and tell the user once what it means.
+
+    ``scope`` names the engine (its config) a warning belongs to: "once" is once per
+    engine and cause, so a second engine in the same process hears about its own."""
     verdict = judge_kv_cache_scheme(scheme)
     if verdict.declared and not verdict.supported:
         warn_once(
-            f"unsupported-scheme:{verdict.reason}",
+            f"{scope}unsupported-scheme:{verdict.reason}",
             "kvscale: kv_cache_scheme %s is not supported: %s. Serving with an unscaled KV "
             "cache (checkpoint k/v scales are ignored; --kv-cache-dtype auto keeps the "
             "model dtype). To use calibrated scales, export the KV cache with a static "
@@ -86,12 +89,13 @@ def announce_verdict(scheme: Any) -> SchemeVerdict:
     return verdict
 
 
-def warn_missing_scales(layer_names: Iterable[str]) -> None:
-    """One warning for a declared scheme whose checkpoint has no scales for some layers."""
+def warn_missing_scales(layer_names: Iterable[str], scope: str = "") -> None:
+    """One warning (per engine: ``scope``) for a declared scheme whose checkpoint has no
+    scales for some layers."""
     missing = sorted(layer_names)
     shown = ", ".join(missing[:4]) + (f", ... ({len(missing)} layers)" if len(missing) > 4 else "")
     warn_once(
-        "scales-missing",
+        f"{scope}scales-missing",
         "kvscale: the checkpoint declares a kv_cache_scheme but has no k_scale/v_scale "
         "tensors for %s; those layers use scale 1.0, which clips K/V beyond +-448. "
         "Calibrate the checkpoint's KV cache with llm-compressor, or serve with a bf16 "
@@ -112,11 +116,12 @@ def check_zero_point(tensor_name: str, loaded: Any) -> None:
         )
 
 
-def warn_unmapped_scales(names: Iterable[str]) -> None:
-    """One warning listing every checkpoint KV-scale tensor that names no attention layer."""
+def warn_unmapped_scales(names: Iterable[str], scope: str = "") -> None:
+    """One warning (per engine: ``scope``) listing every checkpoint KV-scale tensor that
+    names no attention layer."""
     shown = sorted(names)
     warn_once(
-        "unmapped-scales",
+        f"{scope}unmapped-scales",
         "kvscale: %d KV-scale tensor(s) in the checkpoint name no attention layer of this "
         "model and were not loaded: %s. If they belong to layers this model does build, "
         "add a name-mapping rule (entry-point group 'kvscale_plugin', see the README).",

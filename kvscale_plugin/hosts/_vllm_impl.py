@@ -8,6 +8,7 @@ Thin translation from vLLM's quantization API to the host-independent core:
 from __future__ import annotations
 
 import re
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,8 @@ from kvscale_plugin.hosts._common import (
     warn_missing_scales,
     warn_unmapped_scales,
 )
+from kvscale_plugin.hosts.vllm_parity import install as install_name_parity
+from kvscale_plugin.hosts.vllm_parity import warn_vision_tower_difference
 from kvscale_plugin.names import map_scale_name, names_attention_layer
 from kvscale_plugin.scales import (
     SENTINEL,
@@ -96,7 +99,10 @@ class KVScaleConfig(CompressedTensorsConfig):
             # vLLM calls Cls() when the checkpoint has no quantization config.
             raise no_checkpoint_config_error("vLLM")
         super().__init__(*args, **kwargs)
-        self.kv_verdict: SchemeVerdict = announce_verdict(self.kv_cache_scheme)
+        # Names this engine's config in "warn once" causes; travels with the pickled
+        # config, so every process of one engine shares it and a second engine differs.
+        self.warn_scope = f"engine-{uuid.uuid4().hex}:"
+        self.kv_verdict: SchemeVerdict = announce_verdict(self.kv_cache_scheme, self.warn_scope)
         if not self.kv_verdict.supported:
             # Exposed only when supported: Attention flips `auto` to FP8 on it.
             self.kv_cache_scheme = None
@@ -132,6 +138,7 @@ class KVScaleConfig(CompressedTensorsConfig):
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Any = None):
         super().maybe_update_config(model_name, hf_config=hf_config, revision=revision)
         self.model_type = getattr(hf_config, "model_type", None)
+        warn_vision_tower_difference(getattr(hf_config, "architectures", None))
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
         # The scheme's keys are field names, never module paths: keep it as declared.
@@ -141,7 +148,7 @@ class KVScaleConfig(CompressedTensorsConfig):
 
     def get_cache_scale_mapper(self) -> WeightsMapper:  # type: ignore[override]
         stock = QuantizationConfig.get_cache_scale_mapper()
-        if not self.kv_verdict.declared:
+        if not (self.kv_verdict.declared or _explicit_fp8_cache()):
             return stock
         ours = WeightsMapper(
             orig_to_new_renaming=[_HookRenaming(self)],
@@ -159,8 +166,12 @@ class KVScaleConfig(CompressedTensorsConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, Attention):
-            if not self.kv_verdict.declared:
+            if not self.kv_verdict.declared and not is_quantized_kv_cache(
+                getattr(layer, "kv_cache_dtype", "auto")
+            ):
                 return None  # no scheme: no scale parameters, exactly as without the plugin
+            # No scheme but an FP8 cache the user asked for: like stock, the checkpoint's
+            # per-tensor scales (if any) are used.
             return KVScaleKVCacheMethod(self)
         return super().get_quant_method(layer, prefix)
 
@@ -219,20 +230,31 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
 
         cfg = self.quant_config
         if cfg.unmapped_scales:
-            warn_unmapped_scales(cfg.unmapped_scales)
+            warn_unmapped_scales(cfg.unmapped_scales, cfg.warn_scope)
         loaded = {name: _loaded_value(getattr(layer, name)) for name in _SCALE_NAMES}
-        applies = cfg.kv_verdict.supported and is_quantized_kv_cache(layer.kv_cache_dtype)
+        # An FP8 cache uses the checkpoint's scales when the scheme is supported, or when
+        # no scheme is declared and the user chose the FP8 cache (as stock vLLM does).
+        applies = (cfg.kv_verdict.supported or not cfg.kv_verdict.declared) and (
+            is_quantized_kv_cache(layer.kv_cache_dtype)
+        )
         if applies and cfg.corrupt_scales:
             raise CorruptScaleError(format_corrupt_scales(cfg.corrupt_scales))
 
         fnuz = current_platform.is_fp8_fnuz()
         if applies:
             resolved = resolve_kv_scales(loaded["k_scale"], loaded["v_scale"], fnuz=fnuz)
-            if resolved.source is ScaleSource.DEFAULT and not _is_dummy_load():
+            if (
+                resolved.source is ScaleSource.DEFAULT
+                and cfg.kv_verdict.declared
+                and not _is_dummy_load()
+            ):
                 _warn_missing_scales(cfg)
             # As stock vLLM: a q scale only when the checkpoint has one, else 1.0.
+            factor = 2.0 if fnuz else 1.0
             q = loaded["q_scale"]
-            q_heads = tuple(x * (2.0 if fnuz else 1.0) for x in q) if q is not None else (1.0,)
+            q_heads = tuple(x * factor for x in q) if q is not None else (1.0,)
+            # Read by no attention backend of vLLM 0.32; kept like BaseKVCacheMethod does.
+            prob = loaded["prob_scale"][0] * factor if loaded["prob_scale"] else 1.0
             if resolved.per_head and current_platform.is_cpu():
                 info_once(
                     "per-head-cpu",
@@ -243,8 +265,9 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         else:
             resolved = unscaled()
             q_heads = (1.0,)
+            prob = 1.0
 
-        _write_scales(layer, resolved, q_heads)
+        _write_scales(layer, resolved, q_heads, prob)
         layer.kvscale_source = resolved.source.value
         for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
             delattr(layer, name)
@@ -290,7 +313,7 @@ class _HeadLayout:
 
 
 def _write_scales(
-    layer: torch.nn.Module, resolved: ResolvedScales, q_heads: tuple[float, ...]
+    layer: torch.nn.Module, resolved: ResolvedScales, q_heads: tuple[float, ...], prob: float
 ) -> None:
     """Update device tensors in place (kernels and CUDA graphs hold them), then host copies.
 
@@ -303,7 +326,7 @@ def _write_scales(
         ("_q_scale", q_heads),
     ):
         _fill_device(layer, name, values)
-    layer._prob_scale.fill_(1.0)
+    layer._prob_scale.fill_(prob)
     if getattr(layer, "kvscale_heads", None) is not None:
         # Device copies of the per-layer max, for one-scale GPU paths (kvscale's CUSTOM
         # backend writes and reads a per-head layer's cache with them).
@@ -312,7 +335,7 @@ def _write_scales(
     layer._k_scale_float = resolved.k
     layer._v_scale_float = resolved.v
     layer._q_scale_float = max(q_heads)
-    layer._prob_scale_float = 1.0
+    layer._prob_scale_float = prob
     for name, value in (("_k_scale_cpu", resolved.k), ("_v_scale_cpu", resolved.v)):
         host = getattr(layer, name, None)
         if isinstance(host, torch.Tensor):
@@ -406,13 +429,25 @@ def _loaded_value(param: torch.Tensor) -> tuple[float, ...] | None:
 
 def _warn_missing_scales(cfg: KVScaleConfig) -> None:
     warn_missing_scales(
-        name
-        for name, layer in cfg._attention_layers.items()
-        if hasattr(layer, "k_scale")
-        and not getattr(layer.k_scale, "kvscale_loaded", False)
-        and not getattr(layer.v_scale, "kvscale_loaded", False)
+        (
+            name
+            for name, layer in cfg._attention_layers.items()
+            if hasattr(layer, "k_scale")
+            and not getattr(layer.k_scale, "kvscale_loaded", False)
+            and not getattr(layer.v_scale, "kvscale_loaded", False)
+        ),
+        cfg.warn_scope,
     )
+
+
+def _explicit_fp8_cache() -> bool:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "auto")
+    return isinstance(dtype, str) and is_quantized_kv_cache(dtype)
 
 
 def register_quantization() -> None:
     register_quantization_config(QUANTIZATION_METHOD)(KVScaleConfig)
+    install_name_parity()

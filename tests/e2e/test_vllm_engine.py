@@ -20,6 +20,7 @@ from kvscale_plugin.hosts.vllm_probe import (
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_plugin.scales import CorruptScaleError
 from kvscale_plugin.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
@@ -161,7 +162,7 @@ def test_unsupported_scheme_with_explicit_fp8_ignores_checkpoint_scales(tiny):
 def test_stock_refuses_unsupported_scheme(tiny):
     scheme, _ = UNSUPPORTED["int8"]
     ckpt = tiny("unsupported-int8", kv_cache_scheme=scheme)
-    with pytest.raises(Exception, match="kv cache quantization"):
+    with pytest.raises(NotImplementedError, match="kv cache quantization"):
         with vllm_engine(ckpt):
             pass
 
@@ -204,7 +205,7 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
         "model.layers.4.self_attn.v_scale": torch.tensor([2.0, 2.0]),
     }
     ckpt = tiny("corrupt", num_layers=5, scales=bad, extra_tensors=malformed)
-    with pytest.raises(Exception) as info:
+    with pytest.raises(CorruptScaleError) as info:
         with vllm_engine(ckpt, quantization="kvscale"):
             pass
     text = str(info.value)
@@ -222,7 +223,7 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
 
 def test_no_quantization_config_gives_clear_error(tiny):
     ckpt = tiny("plain", kv_cache_scheme=None, quantization_config=False)
-    with pytest.raises(Exception, match="needs a compressed-tensors checkpoint"):
+    with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):
         with vllm_engine(ckpt, quantization="kvscale"):
             pass
 
@@ -259,7 +260,7 @@ def test_scheme_with_omitted_fields_uses_library_defaults(tiny, caplog):
     assumed = [r.getMessage() for r in caplog.records if "defaults assumed" in r.getMessage()]
     assert assumed and "strategy=tensor" in assumed[0] and "symmetric=true" in assumed[0]
     # Stock vLLM 0.32 refuses the same checkpoint.
-    with pytest.raises(Exception, match="valid QuantizationStrategy|symmetric"):
+    with pytest.raises(ValueError, match="valid QuantizationStrategy|symmetric"):
         with vllm_engine(ckpt):
             pass
 
