@@ -61,7 +61,8 @@ def median_us(fn: Callable[[], None], reps: int) -> float:
 
 
 def write_alone(num_heads: int, head_size: int, block_size: int, num_layers: int,
-                sizes: Sequence[int], reps: int) -> None:  # fmt: skip
+                sizes: Sequence[int], reps: int) -> dict[int, float]:  # fmt: skip
+    """Prints the table; returns tokens -> extra microseconds per call (kvscale - vLLM)."""
     from vllm import _custom_ops as ops
 
     from kvscale_plugin.kernels.cpu_cache_write import cpu_cache_views, cpu_fp8_cache_write
@@ -79,6 +80,7 @@ def write_alone(num_heads: int, head_size: int, block_size: int, num_layers: int
             f"{'x vLLM':>7} {'bytes != contract':>18}")  # fmt: skip
     print(head)
     print("-" * len(head))
+    extra: dict[int, float] = {}
     for n in sizes:
         width = num_heads * head_size
         qkv = (torch.randn(n, 5 * width, generator=g) * 8).to(torch.bfloat16)
@@ -106,6 +108,8 @@ def write_alone(num_heads: int, head_size: int, block_size: int, num_layers: int
             print(f"{n:6d} {name:<16} {results[name]:9.1f} {1e3 * results[name] / n:9.0f} "
                   f"{results[name] * num_layers if n <= 64 else float('nan'):9.0f} "
                   f"{ratio:7.2f} {100 * wrong:17.2f}%")  # fmt: skip
+        extra[n] = results["kvscale (RNE)"] - results["vLLM (truncate)"]
+    return extra
 
 
 def _bytes_off_contract(cache, key, value, slots, k_scale, v_scale) -> float:
@@ -164,7 +168,8 @@ def _record(samples: dict[str, list[dict]], label: str, result: dict) -> None:
     print(f"#   {label:<20} " + "  ".join(f"{k} {v:.1f}" for k, v in result.items()), flush=True)
 
 
-def engines(model: Path, cfg: argparse.Namespace) -> None:
+def engines(model: Path, cfg: argparse.Namespace, extra_us: dict[int, float],
+            num_layers: int) -> None:  # fmt: skip
     from kvscale_plugin.hosts.vllm_probe import attention_layers, vllm_engine
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -216,6 +221,18 @@ def engines(model: Path, cfg: argparse.Namespace) -> None:
         f"{med['kvscale'][m] / med['kvscale, vLLM write'][m]:14.3f}" for m in metrics))
     worst = min(med["kvscale"][m] / med["stock"][m] for m in metrics)
     print(f"\nworst kvscale / stock ratio: {worst:.3f} (goal >= 0.95)")
+    spread = {e: (min(s["decode b=1"] for s in runs), max(s["decode b=1"] for s in runs))
+              for e, runs in samples.items() if "decode b=1" in runs[0]}  # fmt: skip
+    for e, (lo, hi) in spread.items():
+        print(f"# spread of decode b=1 samples, {e}: {lo:.1f} .. {hi:.1f} tokens/s")
+    if "decode b=1" in metrics and 1 in extra_us:
+        # The write's added cost per decode step, from part 1, against the fastest
+        # stock decode step this run observed (the least disturbed one).
+        step_ms = 1e3 / max(s["decode b=1"] for s in samples["stock"])
+        added_ms = extra_us[1] * num_layers / 1e3
+        print(f"estimated decode b=1 ratio from the write's cost: fastest stock step "
+              f"{step_ms:.1f} ms, + {added_ms:.2f} ms ({num_layers} layers x "
+              f"{extra_us[1]:.1f} us) -> {step_ms / (step_ms + added_ms):.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -264,9 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs  model {model}")  # fmt: skip
     block_size = cfg.block_size or DEFAULT_CPU_BLOCK_SIZE
     sizes = [1, 8, 64, 512, 2048] if not cfg.smoke else [1, 64]
-    write_alone(heads, head_size, block_size, layers, sizes, cfg.write_reps)
+    extra = write_alone(heads, head_size, block_size, layers, sizes, cfg.write_reps)
     if not cfg.skip_engines:
-        engines(model, cfg)
+        engines(model, cfg, extra, layers)
     return 0
 
 
