@@ -261,3 +261,14 @@ def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.
         logger.debug("kvscale: layout check for %s failed: %s", isa, exc)
         return False
     return torch.equal(ours, theirs)
+
+
+def model_write_routes(model: torch.nn.Module) -> dict[str, dict[str, str | None]]:
+    """``llm.apply_model`` target (importable, so it works across processes): per
+    attention layer, the cache write each input dtype was routed to so far
+    (a layout name: kvscale's write; None: vLLM's)."""
+    return {
+        name: {str(dtype): layout for dtype, layout in routes.items()}
+        for name, m in model.named_modules()
+        if (routes := getattr(getattr(m, "impl", None), _ROUTE_ATTR, None)) is not None
+    }

@@ -13,7 +13,10 @@ attention layers' inputs by forward hooks.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -384,3 +387,35 @@ def test_rne_write_is_closer_to_the_bf16_cache_than_vllms(checkpoint):
     assert err["kvscale-vllm-write"] == err["stock"]  # same scales, same (vLLM's) write
     assert err["kvscale"] < err["stock"]
     assert os.environ.get(vllm_cpu_write.ENV_VAR) is None
+
+
+# vLLM's own processes -----------------------------------------------------------------
+
+_MULTIPROC = """
+import json, os, sys
+from vllm import LLM, SamplingParams
+from kvscale_plugin.hosts.vllm_cpu_write import model_write_routes
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], quantization="kvscale", enforce_eager=True,
+              kv_cache_memory_bytes=64 * 2**20, block_size=32, max_model_len=512)
+    llm.generate(["Paged attention stores"], SamplingParams(max_tokens=4), use_tqdm=False)
+    print("RESULT " + json.dumps(llm.apply_model(model_write_routes)))
+"""
+
+
+def test_engine_core_process_uses_the_rne_write(checkpoint, tmp_path):
+    """Default multiprocessing mode: the engine core finds the plugin through its entry
+    point, and its layers write through kvscale's CPU write."""
+    script = tmp_path / "engine.py"
+    script.write_text(_MULTIPROC)
+    env = dict(os.environ, TMPDIR=str(tmp_path), VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # fmt: skip
+    env.pop(vllm_cpu_write.ENV_VAR, None)
+    proc = subprocess.run([sys.executable, str(script), str(checkpoint(64))], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    routes = json.loads(lines[-1][len("RESULT ") :])
+    per_worker = routes if isinstance(routes, list) else [routes]
+    for worker in per_worker:
+        assert worker and all(r == {"torch.bfloat16": "vec"} for r in worker.values()), worker
