@@ -5,7 +5,7 @@ attention_backend="CUSTOM")``) after ``register_backend()`` has run
 (the plugin's ``vllm.general_plugins`` entry point does it in every process).
 It is vLLM's Triton attention backend in every respect but one: for a layer
 whose KV method is kvscale's and whose cache is FP8 e4m3, the cache write
-(``do_kv_cache_update``) goes through ``kvscale_plugin.kernels.fp8_cache_write``,
+(``do_kv_cache_update``) goes through ``kvscale_plugin.kernels.triton_fp8_write``,
 which reads ``layer._k_scale`` / ``layer._v_scale`` on the device at every call
 (CUDA-graph replays and in-place reloads see the current scales). Every other
 layer, cache dtype and platform is left to the parent class untouched.

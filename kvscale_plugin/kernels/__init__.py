@@ -5,13 +5,13 @@ vLLM's CPU build, only the plain-torch modules ``reference`` and ``cpu_cache_wri
 are available); nothing in the package root imports it, so hosts without Triton
 (and the CPU tests that must set ``TRITON_INTERPRET`` first) decide when it is loaded.
 
-``kvscale_plugin.kernels.fp8_cache_write`` is the function (the Liger-style
-one-op module of the same name is shadowed by it as a package attribute); the
-module itself is ``importlib.import_module("kvscale_plugin.kernels.fp8_cache_write")``.
+One op per module: ``triton_fp8_write`` (the fused Triton kernel and its launcher,
+``fp8_cache_write``), ``reference`` (the plain-torch oracle), ``cpu_cache_write`` (the
+exact FP8 write into vLLM's CPU cache layout).
 """
 
 try:
-    from kvscale_plugin.kernels.fp8_cache_write import (
+    from kvscale_plugin.kernels.triton_fp8_write import (
         CONVERSION_ENV,
         Conversion,
         fp8_cache_write,

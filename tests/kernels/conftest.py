@@ -1,7 +1,7 @@
 """Kernel tests run on a GPU when there is one, else in Triton's interpreter.
 
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates the kernel, i.e.
-when ``kvscale_plugin.kernels.fp8_cache_write`` is first imported, so it is set
+when ``kvscale_plugin.kernels.triton_fp8_write`` is first imported, so it is set
 here, before any test module imports it. The kernel module is imported right
 away to lock that decision in; the variable is then put back as it was and set
 again only while a test of this directory runs, so that engine tests elsewhere
@@ -20,7 +20,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-KERNEL_MODULE = "kvscale_plugin.kernels.fp8_cache_write"
+KERNEL_MODULE = "kvscale_plugin.kernels.triton_fp8_write"
 
 if not HAS_CUDA:
     if KERNEL_MODULE in sys.modules and not sys.modules[KERNEL_MODULE].INTERPRETER:

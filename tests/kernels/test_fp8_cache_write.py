@@ -22,7 +22,7 @@ from fp8_helpers import DEVICE, assert_same_fp8, conversion_paths, split_kv_cach
 from kvscale_plugin.kernels import fp8_cache_write, fp8_cache_write_reference
 
 ROOT = Path(__file__).resolve().parents[2]
-kernel_module = importlib.import_module("kvscale_plugin.kernels.fp8_cache_write")
+kernel_module = importlib.import_module("kvscale_plugin.kernels.triton_fp8_write")
 
 CacheViews = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -305,7 +305,8 @@ def test_cpu_without_interpreter_uses_the_reference() -> None:
         "import torch\n"
         "from kvscale_plugin.kernels import fp8_cache_write, fp8_cache_write_reference\n"
         "import importlib\n"
-        "assert not importlib.import_module('kvscale_plugin.kernels.fp8_cache_write').INTERPRETER\n"
+        "mod = importlib.import_module('kvscale_plugin.kernels.triton_fp8_write')\n"
+        "assert not mod.INTERPRETER\n"
         "x = torch.randn(4, 2, 64, dtype=torch.bfloat16) * 300\n"
         "a = torch.zeros(2, 2, 16, 2, 64, dtype=torch.uint8); b = a.clone()\n"
         "s = torch.tensor([5, -1, 9, 30]); k = torch.tensor([0.37]); v = torch.tensor([3.0])\n"

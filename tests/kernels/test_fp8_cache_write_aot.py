@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-mod = importlib.import_module("kvscale_plugin.kernels.fp8_cache_write")
+mod = importlib.import_module("kvscale_plugin.kernels.triton_fp8_write")
 assert not mod.INTERPRETER
 kernel = mod._fp8_cache_write_kernel
 names = list(inspect.signature(kernel.fn).parameters)
