@@ -1,0 +1,165 @@
+"""``kvscale_plugin.hosts.vllm.register()`` is safe where a Ray worker calls it.
+
+vLLM's CPU build refuses Ray (``ValueError: current platform cpu does not support ray``),
+so no Ray run is claimed here. What a Ray worker does with the plugin is read from vLLM
+0.32's code:
+
+* ``RayDistributedExecutor`` (``vllm/v1/executor/ray_executor.py``,
+  ``_init_workers_ray``) sends ``collective_rpc("init_worker", args=(all_kwargs,))`` to
+  each ``RayWorkerWrapper`` actor (``vllm/v1/executor/ray_utils.py``, a
+  ``WorkerWrapperBase``); ``RayExecutorV2``'s ``RayWorkerProc`` (a ``WorkerProc``,
+  ``vllm/v1/executor/multiproc_executor.py``) calls ``wrapper.init_worker(all_kwargs)``.
+* ``WorkerWrapperBase.init_worker`` (``vllm/v1/worker/worker_base.py``) calls
+  ``vllm.plugins.load_general_plugins()`` -- *after* its arguments, the pickled
+  ``VllmConfig`` with our ``KVScaleConfig`` inside, were unpickled in the actor.
+* ``load_general_plugins`` (``vllm/plugins/__init__.py``) loads every
+  ``vllm.general_plugins`` entry point (``load_plugins_by_group``) and calls it:
+  ``kvscale = kvscale_plugin.hosts.vllm:register``. Once per process (module flag), but
+  a worker may also import and call it itself.
+
+So ``register()`` must work in a fresh process with no driver state (no engine, no
+config, no environment from the driver), after a ``KVScaleConfig`` was unpickled, any
+number of times, from any thread.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvscale_plugin.tinymodels import FP8_KV_SCHEME
+
+QUANT_CONFIG = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense",
+                "ignore": [], "kv_cache_scheme": dict(FP8_KV_SCHEME)}  # fmt: skip
+
+# Run in a fresh interpreter: a pickled KVScaleConfig (what a Ray actor receives) is
+# unpickled first, then vLLM's own plugin loader runs, twice, then register() from 8
+# threads at once, then twice more.
+WORKER = r"""
+import pickle, sys, threading
+config = pickle.load(open(sys.argv[1], "rb"))          # the actor's arguments
+import kvscale_plugin.hosts._vllm_impl as impl
+calls = []
+real = impl.register_quantization
+impl.register_quantization = lambda: (calls.append(1), real())[1]
+from vllm.plugins import load_general_plugins
+load_general_plugins(); load_general_plugins()         # WorkerWrapperBase.init_worker
+from kvscale_plugin.hosts.vllm import register
+barrier = threading.Barrier(8)
+errors = []
+def worker():
+    try:
+        barrier.wait(timeout=30)
+        register()
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=worker) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join(timeout=60)
+register(); register()
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+assert not errors, errors
+assert calls == [1], calls                              # registered exactly once
+assert QUANTIZATION_METHODS.count("kvscale") == 1, QUANTIZATION_METHODS
+assert get_quantization_config("kvscale") is type(config), get_quantization_config("kvscale")
+assert config.kv_verdict.supported and config.get_name() == "kvscale"
+assert isinstance(config.kv_cache_scheme, dict)
+print("WORKER-OK", len(threads))
+"""
+
+
+def _clean_env(tmp_path: Path) -> dict[str, str]:
+    """Only what a bare process has: no VLLM_* / KVSCALE_* settings from a driver."""
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env["TMPDIR"] = str(tmp_path)
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def pickled_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A KVScaleConfig pickled by a separate 'driver' process, the way vLLM ships it."""
+    tmp_path = tmp_path_factory.mktemp("ray")
+    path = tmp_path / "config.pkl"
+    code = (
+        "import json, pickle, sys\n"
+        "from kvscale_plugin.hosts.vllm import register\n"
+        "register()\n"
+        "from kvscale_plugin.hosts._vllm_impl import KVScaleConfig\n"
+        "cfg = KVScaleConfig.from_config(json.loads(sys.argv[2]))\n"
+        "pickle.dump(cfg, open(sys.argv[1], 'wb'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path), json.dumps(QUANT_CONFIG)],
+                   env=_clean_env(tmp_path), check=True, capture_output=True, timeout=180)
+    return path
+
+
+def test_register_in_a_fresh_worker_process(pickled_config: Path, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(pickled_config)],
+                          env=_clean_env(tmp_path), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "WORKER-OK 8" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_register_twice_in_a_bare_process(tmp_path):
+    """Nothing else in the process: no config, no engine, no vLLM import beforehand."""
+    code = (
+        "from kvscale_plugin.hosts import vllm as host\n"
+        "host.register(); host.register()\n"
+        "from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS\n"
+        "assert QUANTIZATION_METHODS.count('kvscale') == 1\n"
+        "assert host._registered\n"
+        "print('BARE-OK')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "BARE-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_register_holds_no_driver_state():
+    """The module's only state is one flag and one lock (read from its source): nothing
+    that names a driver, an engine or a config, so a worker needs nothing from the driver
+    to call it; ``register`` rebinds only the flag."""
+    from kvscale_plugin.hosts import vllm as host
+
+    tree = ast.parse(Path(host.__file__).read_text())
+    assigned = {
+        t.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    assert assigned == {"TESTED_VLLM_VERSIONS", "_registered", "_lock"}, assigned
+    rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    assert rebound == {"_registered"}, rebound
+    assert isinstance(host._lock, type(threading.Lock()))
+
+
+def test_pickled_config_carries_no_live_layers(pickled_config: Path) -> None:
+    """What travels to a worker: the verdict and names, not the driver's layer registry
+    (checked in a fresh process by test_register_in_a_fresh_worker_process; here the
+    pickle's state is read without vLLM: the registry is not in it)."""
+
+    class _Peek(pickle.Unpickler):
+        def find_class(self, module: str, name: str):  # type: ignore[no-untyped-def]
+            if name == "KVScaleConfig":
+                return _State
+            return super().find_class(module, name)
+
+    class _State:
+        def __setstate__(self, state: dict) -> None:
+            self.state = state
+
+    with open(pickled_config, "rb") as f:
+        peeked = _Peek(f).load()
+    assert "_attention_layers" not in peeked.state
+    assert peeked.state["kv_verdict"].supported
