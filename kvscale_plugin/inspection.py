@@ -646,7 +646,7 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
     tc = _text_config(config)
     model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
     n_raw = tc.get("num_hidden_layers")
-    n = n_raw if isinstance(n_raw, int) and n_raw >= 0 else None
+    n = n_raw if isinstance(n_raw, int) and 0 <= n_raw <= 100_000 else None  # absurd: unknown
     mtp_count = next((int(tc[f]) for f in _MTP_COUNT_FIELDS if isinstance(tc.get(f), int)), 0)
     attn_layers = _attention_layers(tc, n)
     qc = _quant_config(config)
