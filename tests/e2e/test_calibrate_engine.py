@@ -65,12 +65,13 @@ def test_calibrated_scales_serve_close_to_hand_picked_and_far_below_scale_one(
     assert ours.top1_agreement >= unit.top1_agreement
 
 
-def test_attn_head_output_loads_per_head_in_stock_vllm(models, prompts, reference):
-    # Stock vLLM 0.32 serves strategy attn_head: the written [num_kv_heads, 1, 1] tensors
-    # must land per head. (kvscale's own per-head path: tests/e2e/test_vllm_per_head.py.)
+@pytest.mark.parametrize("quantization", [None, "kvscale"], ids=["stock", "kvscale"])
+def test_attn_head_output_loads_per_head(models, prompts, reference, quantization):
+    # Stock vLLM 0.32 and kvscale serve strategy attn_head: the written
+    # [num_kv_heads, 1, 1] tensors must land per head in every layer.
     written = cal.read_scales(models["head"])
     assert all(k.shape == (2, 1, 1) for k, _ in written.values())
-    with vllm_engine(models["head"]) as llm:
+    with vllm_engine(models["head"], quantization=quantization) as llm:
         layers = attention_layers(llm)
         quality = compare(teacher_forced(llm, prompts), reference)
         held = {n: (m._k_scale.detach().float().cpu().reshape(-1),
