@@ -115,6 +115,8 @@ def smollm2_checkpoint(cache_dir: Path | None = None,
             "gguf": SMOLLM2_GGUF,
             "converted_with": "transformers GgufConfig(dequantize=True) -> bf16 safetensors",
         }, indent=2))
+        if (out / _DONE_MARKER).is_file():  # another process finished first
+            return out
         if out.exists():  # an unfinished earlier conversion
             shutil.rmtree(out)
         try:
