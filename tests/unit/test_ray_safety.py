@@ -85,43 +85,47 @@ def _clean_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+# A bare process ("driver" side): nothing imported beforehand, no config, no engine;
+# register() twice, then a KVScaleConfig is built and pickled, as vLLM ships it to workers.
+BARE = r"""
+import json, pickle, sys
+from kvscale_plugin.hosts import vllm as host
+host.register(); host.register()
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+assert QUANTIZATION_METHODS.count("kvscale") == 1, QUANTIZATION_METHODS
+assert host._registered
+print("BARE-OK")
+from kvscale_plugin.hosts._vllm_impl import KVScaleConfig
+pickle.dump(KVScaleConfig.from_config(json.loads(sys.argv[2])), open(sys.argv[1], "wb"))
+"""
+
+
 @pytest.fixture(scope="module")
-def pickled_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A KVScaleConfig pickled by a separate 'driver' process, the way vLLM ships it."""
+def bare_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     tmp_path = tmp_path_factory.mktemp("ray")
     path = tmp_path / "config.pkl"
-    code = (
-        "import json, pickle, sys\n"
-        "from kvscale_plugin.hosts.vllm import register\n"
-        "register()\n"
-        "from kvscale_plugin.hosts._vllm_impl import KVScaleConfig\n"
-        "cfg = KVScaleConfig.from_config(json.loads(sys.argv[2]))\n"
-        "pickle.dump(cfg, open(sys.argv[1], 'wb'))\n"
-    )
-    subprocess.run([sys.executable, "-c", code, str(path), json.dumps(QUANT_CONFIG)],
-                   env=_clean_env(tmp_path), check=True, capture_output=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-c", BARE, str(path), json.dumps(QUANT_CONFIG)],
+                          env=_clean_env(tmp_path), capture_output=True, text=True, timeout=180)
+    return proc, path
+
+
+@pytest.fixture(scope="module")
+def pickled_config(bare_run: tuple[subprocess.CompletedProcess, Path]) -> Path:
+    proc, path = bare_run
+    assert proc.returncode == 0 and path.is_file(), proc.stderr[-3000:]
     return path
+
+
+def test_register_twice_in_a_bare_process(bare_run: tuple[subprocess.CompletedProcess, Path]):
+    """Nothing else in the process: no config, no engine, no vLLM import beforehand."""
+    proc, _ = bare_run
+    assert proc.returncode == 0 and "BARE-OK" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_register_in_a_fresh_worker_process(pickled_config: Path, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", WORKER, str(pickled_config)],
                           env=_clean_env(tmp_path), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and "WORKER-OK 8" in proc.stdout, proc.stderr[-3000:]
-
-
-def test_register_twice_in_a_bare_process(tmp_path):
-    """Nothing else in the process: no config, no engine, no vLLM import beforehand."""
-    code = (
-        "from kvscale_plugin.hosts import vllm as host\n"
-        "host.register(); host.register()\n"
-        "from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS\n"
-        "assert QUANTIZATION_METHODS.count('kvscale') == 1\n"
-        "assert host._registered\n"
-        "print('BARE-OK')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(tmp_path),
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0 and "BARE-OK" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_register_holds_no_driver_state():
