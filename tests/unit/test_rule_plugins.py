@@ -1,5 +1,6 @@
 """Third-party rule packages, discovered through the installed `kvscale_plugin` entry points
-(tests/rule_package is installed into the test environment by `make test`)."""
+(tests/rule_package is installed as a real distribution into build/test-rules by `make
+test` / `make test-fast`; tests/conftest.py puts that folder on the path)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def _installed() -> set[str]:
 def test_rule_package_is_installed():
     # A missing install must fail here, not silently skip the tests below.
     assert {"example_rules", "broken_rules"} <= _installed(), (
-        "tests/rule_package is not installed: run `make test` (it installs it with "
-        "`pip install --no-deps -e tests/rule_package`)"
+        "tests/rule_package is not installed: run `make test-fast` (it installs it with "
+        "`pip install --no-deps --target build/test-rules ./tests/rule_package`)"
     )
 
 

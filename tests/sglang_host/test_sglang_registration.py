@@ -7,8 +7,6 @@ from collections import Counter
 import pytest
 
 # "sglang.srt", not "sglang": this test folder itself is named sglang (see conftest).
-pytest.importorskip("sglang.srt", reason="SGLang tests run in .venv-sglang")
-
 import torch  # noqa: E402
 from sglang_helpers import SCALES, build_model, resolve_kv_cache_dtype  # noqa: E402
 

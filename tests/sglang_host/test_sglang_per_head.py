@@ -13,8 +13,6 @@ import math
 import pytest
 
 # "sglang.srt", not "sglang": this test folder itself is named sglang (see conftest).
-pytest.importorskip("sglang.srt", reason="SGLang tests run in .venv-sglang")
-
 import torch  # noqa: E402
 from sglang_helpers import (  # noqa: E402
     NUM_KV_HEADS,
