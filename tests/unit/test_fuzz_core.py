@@ -204,13 +204,6 @@ def _float_not_8_or_4_bits(scheme: Any) -> bool:
     )
 
 
-@pytest.mark.xfail(
-    strict=True, raises=NotImplementedError,
-    reason="package bug: judge_kv_cache_scheme lets compressed-tensors' NotImplementedError "
-    "('Only num_bits in (8) are supported') escape for a float scheme that is not 8 or 4 bits; "
-    "it should be an unsupported verdict (scheme.py catches only ValidationError, TypeError, "
-    "ValueError)",
-)
 @pytest.mark.parametrize("bits", [16, 2, 32])
 def test_judge_float_scheme_not_8_bit(bits: int) -> None:
     verdict = judge_kv_cache_scheme({"num_bits": bits, "type": "float"})
@@ -425,12 +418,6 @@ def test_resolve_budget_ran() -> None:
     assert COUNTS["resolve_kv_scales"] >= N_RESOLVE * 4, COUNTS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: resolve_kv_scales on an empty k or v raises KeyError / ValueError "
-    "(max of an empty sequence) instead of CorruptScaleError; adapters never pass one, "
-    "direct callers can",
-)
 @pytest.mark.parametrize(
     ("k", "v"), [((), None), (None, ()), ((), ()), (torch.empty(0), None), ([], [])]
 )
