@@ -69,6 +69,11 @@ class CorruptScaleError(ValueError):
     """Raised when loaded KV scales cannot be served (0, negative, NaN, inf, bad shape)."""
 
 
+#: Largest usable scale: the cache's largest value (448) times the scale must stay a
+#: finite float32, or dequantizing turns the cache into inf/NaN. No calibration gives one.
+MAX_SCALE = torch.finfo(torch.float32).max / 448.0
+
+
 def _value_problem(value: float) -> str | None:
     if math.isnan(value):
         return "NaN"
@@ -78,6 +83,8 @@ def _value_problem(value: float) -> str | None:
         return "0 (a zero scale turns the FP8 cache into NaN/inf)"
     if value < 0.0:
         return f"{value} (negative)"
+    if value > MAX_SCALE:
+        return f"{value} (too large: 448 x scale overflows float32, the cache reads as inf/NaN)"
     return None
 
 

@@ -108,3 +108,11 @@ def test_per_head_wrong_shape_names_the_expected_shape(value):
 @pytest.mark.parametrize("value", [torch.ones(2), torch.ones(2, 1, 1), torch.ones(2, 1)])
 def test_per_head_accepted_layouts(value):
     assert scale_problem(value, num_heads=2) is None
+
+
+def test_scale_whose_cache_read_overflows_is_corrupt():
+    # 448 x 3e38 overflows float32: the cache would read back as inf/NaN.
+    assert "too large" in scale_problem(torch.tensor([3e38]))
+    assert scale_problem(torch.tensor([1e30])) is None
+    with pytest.raises(CorruptScaleError, match="too large"):
+        resolve_kv_scales(1.0, 3e38)
