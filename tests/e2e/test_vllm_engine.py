@@ -40,7 +40,7 @@ def assert_scales_equal_checkpoint(scales: dict, stored: dict) -> None:
 
 @pytest.fixture(scope="module")
 def calibrated(tiny):
-    # Three layers: ENVIRONMENT.md measured a clear, repeatable logprob signal there.
+    # Three layers: a clear, repeatable logprob signal there (docs/running-engines-on-cpu.md).
     return tiny("calibrated", num_layers=3)
 
 

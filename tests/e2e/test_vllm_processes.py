@@ -51,7 +51,7 @@ def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
     ckpt = tiny("default", num_layers=2)
     ids = list(reference_token_ids(ckpt))[:24]
     env = _env(tmp_path)
-    # One NUMA node here: let the CPU workers share it (ENVIRONMENT.md).
+    # One NUMA node here: let the CPU workers share it (docs/running-engines-on-cpu.md).
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     proc = subprocess.run(
         [sys.executable, str(HERE / "_multiproc_engine.py"), str(ckpt), json.dumps(ids),
