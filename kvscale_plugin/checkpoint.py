@@ -6,13 +6,23 @@ What ``kvscale inspect`` needs, and nothing more:
 * the tensor list of every ``*.safetensors`` file, from the file *headers* only
   (8-byte little-endian header length, then a JSON header; the weight bytes are
   never read);
-* the bytes of a few small tensors (the KV scales), read by seeking to their
-  ``data_offsets``.
+* the values of a few small tensors (the KV scales), each read on its own.
+
+Every safetensors file is validated by the ``safetensors`` library
+(``safe_open``), so a file is accepted exactly when the engines' loaders accept
+it: besides truncation and a corrupt header, overlapping tensors, gaps in the
+data section and trailing bytes are refused too. Tensors are decoded by the
+library as well (every dtype torch has). ``safe_open`` runs with
+``backend="pread"`` after the header was read here with one plain ``read``: the
+library then reads only the header (already in the page cache) and, on request,
+single tensors' bytes; with the default ``mmap`` backend the kernel's read-around
+would load megabytes of weights per file.
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
 checkpoints are supported. Anything that makes the directory unreadable (no
-``config.json``, invalid JSON, a truncated or corrupt header, a shard listed in
-the index but absent) raises ``CheckpointError`` with a message naming the file.
+``config.json``, invalid JSON, a safetensors file the library refuses, a shard
+listed in the index but absent, index and shards disagreeing) raises
+``CheckpointError`` with a message naming the file and what to do.
 """
 
 from __future__ import annotations
@@ -21,30 +31,35 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError, safe_open
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
-# The safetensors format caps the header at 100 MB; a larger length field means
-# the file is not safetensors (or its first bytes are damaged).
+# The safetensors format caps the header at 100 MB (as the library does); a larger
+# length field means the file is not safetensors (or its first bytes are damaged).
 MAX_HEADER_BYTES = 100_000_000
 
-#: Bytes per element of each safetensors dtype whose size is a whole number of bytes.
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
-    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-    "U64": 8, "U32": 4, "U16": 2, "U8": 1,
-    "BOOL": 1,
-}  # fmt: skip
+#: Bits per element of each safetensors dtype (used to explain a refused file).
+DTYPE_BITS: dict[str, int] = {
+    **dict.fromkeys(("F64", "C64", "I64", "U64"), 64),
+    **dict.fromkeys(("F32", "I32", "U32"), 32),
+    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 16),
+    **dict.fromkeys(("F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"), 8),
+    **dict.fromkeys(("I8", "U8", "BOOL"), 8),
+    **dict.fromkeys(("F6_E2M3", "F6_E3M2"), 6),
+    "F4": 4,
+}
 
 #: Tensors larger than this are never decoded: KV scales are scalars (or a few per head).
 MAX_DECODE_ELEMENTS = 4096
+
+_REREAD = "Re-download or re-export the checkpoint."
 
 
 class CheckpointError(Exception):
@@ -72,6 +87,14 @@ class TensorInfo:
         return self.end - self.start
 
 
+def _safe_open(path: Path) -> Any:
+    """``safe_open`` reading with ``pread`` (safetensors >= 0.8; older: its default)."""
+    try:
+        return safe_open(str(path), framework="pt", backend="pread")
+    except TypeError:  # pragma: no cover - safetensors < 0.8 has no backend argument
+        return safe_open(str(path), framework="pt")
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint directory, described from ``config.json`` and safetensors headers."""
@@ -86,55 +109,29 @@ class Checkpoint:
     #: Per file: number of tensors in its header.
     tensors_per_file: dict[Path, int] = field(default_factory=dict)
 
-    def read_bytes(self, info: TensorInfo) -> bytes:
-        """The raw bytes of one tensor (a seek and one read; nothing else is touched)."""
-        try:
-            with open(info.file, "rb") as f:
-                f.seek(info.start)
-                data = f.read(info.nbytes)
-        except OSError as exc:
-            raise CheckpointError(
-                f"{info.file}: cannot read tensor '{info.name}': {exc}"
-            ) from exc
-        if len(data) != info.nbytes:
-            raise CheckpointError(
-                f"{info.file}: tensor '{info.name}' is truncated (expected {info.nbytes} "
-                f"bytes at offset {info.start}, got {len(data)}); re-download or re-export "
-                "the checkpoint."
-            )
-        self.bytes_read += len(data)
-        return data
-
     def read_tensor(self, info: TensorInfo) -> Any:
-        """A small tensor as a CPU ``torch.Tensor`` (its bytes only).
+        """A small tensor as a CPU ``torch.Tensor``, decoded by ``safetensors`` (its bytes only).
 
-        Raises ``CheckpointError`` for dtypes torch cannot decode or tensors larger
-        than ``MAX_DECODE_ELEMENTS`` (a KV scale never is).
+        Raises ``CheckpointError`` for tensors larger than ``MAX_DECODE_ELEMENTS`` (a KV
+        scale never is), dtypes torch cannot hold (``F6_*``) and unreadable files.
         """
-        import torch
-
-        dtypes = {
-            "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-            "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
-            "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-        }  # fmt: skip
-        if info.dtype not in dtypes:
-            raise CheckpointError(
-                f"{info.file}: tensor '{info.name}' has dtype {info.dtype}, which cannot be "
-                "decoded here."
-            )
         if info.numel > MAX_DECODE_ELEMENTS:
             raise CheckpointError(
                 f"{info.file}: tensor '{info.name}' has {info.numel} elements; only small "
                 f"tensors (<= {MAX_DECODE_ELEMENTS}) are decoded."
             )
-        data = self.read_bytes(info)
-        if not data:
-            return torch.empty(info.shape, dtype=dtypes[info.dtype])
-        # safetensors data is little-endian, like every platform torch runs on here.
-        flat = torch.frombuffer(bytearray(data), dtype=dtypes[info.dtype])
-        return flat.reshape(info.shape)
+        try:
+            with _safe_open(info.file) as f:
+                tensor = f.get_tensor(info.name)
+        except OSError as exc:
+            raise CheckpointError(f"{info.file}: cannot read tensor '{info.name}': {exc}") from exc
+        except (SafetensorError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(
+                f"{info.file}: tensor '{info.name}' (dtype {info.dtype}) cannot be decoded "
+                f"here: {exc}"
+            ) from exc
+        self.bytes_read += info.nbytes
+        return tensor
 
 
 def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -149,17 +146,16 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc}); fix or re-export it.") from exc
     if not isinstance(config, dict):
-        raise CheckpointError(
-            f"{path}: must hold a JSON object, got {type(config).__name__}."
-        )
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(config).__name__}.")
     return config
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, TensorInfo], int]:
     """Tensors described by the header of one safetensors file, and the bytes read.
 
-    Reads ``8 + header length`` bytes; validates that every tensor's data lies
-    inside the file and matches its dtype and shape.
+    Reads ``8 + header length`` bytes, then has the ``safetensors`` library validate
+    the file (``safe_open``: what the engines' loaders accept); weight bytes are not
+    read. Raises ``CheckpointError`` naming the file for anything the library refuses.
     """
     path = Path(path)
     try:
@@ -169,83 +165,82 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Ten
             if len(prefix) < 8:
                 raise CheckpointError(
                     f"{path}: truncated safetensors file ({size} bytes; the 8-byte header "
-                    "length is missing). Re-download or re-export the checkpoint."
+                    f"length is missing). {_REREAD}"
                 )
             (n,) = struct.unpack("<Q", prefix)
             if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(
                     f"{path}: truncated or corrupt safetensors header (header length field "
-                    f"says {n} bytes, file has {size}). Re-download or re-export the "
-                    "checkpoint."
+                    f"says {n} bytes, file has {size}). {_REREAD}"
                 )
             raw = f.read(n)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc}") from exc
     if len(raw) != n:
-        raise CheckpointError(f"{path}: truncated safetensors header ({len(raw)} of {n} bytes).")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(
-            f"{path}: corrupt safetensors header (not valid JSON: {exc}). Re-download or "
-            "re-export the checkpoint."
-        ) from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object).")
-
+            f"{path}: truncated safetensors header ({len(raw)} of {n} bytes). {_REREAD}"
+        )
+    # The library decides what is valid (the header pages are in the page cache now).
+    try:
+        with _safe_open(path):
+            pass
+    except SafetensorError as exc:
+        raise CheckpointError(_refused(path, exc, raw, size - 8 - n)) from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+    header = json.loads(raw.decode("utf-8"))
     data_start = 8 + n
-    data_len = size - data_start
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        tensors[name] = _tensor_info(path, name, entry, data_start, data_len)
+    tensors = {
+        name: TensorInfo(
+            name=name,
+            file=path,
+            dtype=entry["dtype"],
+            shape=tuple(entry["shape"]),
+            start=data_start + entry["data_offsets"][0],
+            end=data_start + entry["data_offsets"][1],
+        )
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
     return tensors, 8 + n
 
 
-def _tensor_info(path: Path, name: str, entry: Any, data_start: int, data_len: int) -> TensorInfo:
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(
-            f"{path}: corrupt safetensors header entry for tensor '{name}': {why}. "
-            "Re-download or re-export the checkpoint."
-        )
-
-    if not isinstance(entry, Mapping):
-        raise bad("not a JSON object")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str):
-        raise bad(f"dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise bad(f"shape {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise bad(f"data_offsets {offsets!r}")
-    begin, end = offsets
-    if end > data_len:
-        raise bad(
-            f"data ends at byte {end} of the data section, which has only {data_len} bytes "
-            "(file truncated)"
-        )
-    numel = math.prod(shape)
-    itemsize = DTYPE_SIZES.get(dtype)
-    # Sub-byte and newer dtypes (F4, F6_*) are listed but not size-checked.
-    if itemsize is not None and end - begin != numel * itemsize:
-        raise bad(
-            f"{end - begin} data bytes for shape {tuple(shape)} of {dtype} "
-            f"(expected {numel * itemsize})"
-        )
-    return TensorInfo(
-        name=name,
-        file=path,
-        dtype=dtype,
-        shape=tuple(shape),
-        start=data_start + begin,
-        end=data_start + end,
-    )
+def _refused(path: Path, exc: SafetensorError, raw: bytes, data_len: int) -> str:
+    """Why the library refused ``path``: its own words, made concrete from the header."""
+    why = str(exc).removeprefix("Error while deserializing header: ")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return f"{path}: corrupt safetensors header (not valid JSON; safetensors: {why}). {_REREAD}"
+    detail = "corrupt safetensors header" if "JSON" in why else "corrupt safetensors file"
+    try:
+        entries = [
+            (name, e["dtype"], tuple(e["shape"]), *e["data_offsets"])
+            for name, e in header.items()
+            if name != "__metadata__"
+        ]
+        if "invalid shape" in why or "byte boundary" in why:
+            for name, dtype, shape, begin, end in entries:
+                expected = math.prod(shape) * DTYPE_BITS.get(dtype, 0) / 8
+                if dtype in DTYPE_BITS and end - begin != expected:
+                    detail = (
+                        f"corrupt safetensors header entry for tensor '{name}': {end - begin} "
+                        f"data bytes for shape {shape} of {dtype} (expected {expected:g})"
+                    )
+                    break
+        elif "not fully covered" in why:
+            last = max((end for *_, end in entries), default=0)
+            detail += (
+                f": the tensors end at byte {last} of the data section, which has only "
+                f"{data_len} bytes (file truncated)"
+                if last > data_len
+                else f": {data_len - last} byte(s) after the last tensor that no tensor claims"
+            )
+        elif "invalid offset" in why:
+            why += " (tensors overlap, leave a gap in the data section, or end before they begin)"
+    except (TypeError, ValueError, KeyError, AttributeError):
+        pass  # entries of the wrong type: the library's words say which
+    return f"{path}: {detail} (safetensors: {why}). {_REREAD}"
 
 
 def checkpoint_files(model_dir: str | os.PathLike[str]) -> tuple[list[Path], bool]:
@@ -255,7 +250,12 @@ def checkpoint_files(model_dir: str | os.PathLike[str]) -> tuple[list[Path], boo
     names (each must exist); else ``model.safetensors``; else every
     ``*.safetensors`` file in the directory (what the engines load).
     """
-    root = Path(model_dir)
+    files, sharded, _ = _checkpoint_files(Path(model_dir))
+    return files, sharded
+
+
+def _checkpoint_files(root: Path) -> tuple[list[Path], bool, dict[str, str] | None]:
+    """``checkpoint_files`` and the index's ``weight_map`` (None without an index)."""
     index = root / INDEX_NAME
     if index.is_file():
         try:
@@ -276,13 +276,13 @@ def checkpoint_files(model_dir: str | os.PathLike[str]) -> tuple[list[Path], boo
                 f"{index}: lists shard file(s) that are not in {root}: {', '.join(missing)}. "
                 "Download the missing shards."
             )
-        return files, True
+        return files, True, weight_map
     single = root / SINGLE_FILE
     if single.is_file():
-        return [single], False
+        return [single], False, None
     files = sorted(root.glob("*.safetensors"))
     if files:
-        return files, len(files) > 1
+        return files, len(files) > 1, None
     has_bin = any(root.glob("*.bin"))
     raise CheckpointError(
         f"{root}: no safetensors weights (no {SINGLE_FILE}, no {INDEX_NAME}, no *.safetensors)"
@@ -298,7 +298,7 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a directory; pass a checkpoint directory.")
     config = read_config(root)
-    files, sharded = checkpoint_files(root)
+    files, sharded, weight_map = _checkpoint_files(root)
     tensors: dict[str, TensorInfo] = {}
     per_file: dict[Path, int] = {}
     bytes_read = 0
@@ -313,16 +313,14 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
                     "a checkpoint must store each tensor once."
                 )
             tensors[name] = info
-    if sharded and (root / INDEX_NAME).is_file():
-        weight_map = json.loads((root / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
-        for name, fname in weight_map.items():
-            info = tensors.get(name)
-            if info is None or info.file.name != fname:
-                raise CheckpointError(
-                    f"{root / INDEX_NAME}: maps tensor '{name}' to {fname}, but that file's "
-                    "header does not contain it. Re-download the checkpoint (index and "
-                    "shards disagree)."
-                )
+    for name, fname in (weight_map or {}).items():
+        info = tensors.get(name)
+        if info is None or info.file.name != fname:
+            raise CheckpointError(
+                f"{root / INDEX_NAME}: maps tensor '{name}' to {fname}, but that file's "
+                "header does not contain it. Re-download the checkpoint (index and "
+                "shards disagree)."
+            )
     return Checkpoint(
         model_dir=root,
         config=config,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kvscale_plugin.checkpoint import (
@@ -102,6 +102,28 @@ def test_small_tensors_decode_in_their_dtype(tmp_path, dtype):
     assert got.dtype == dtype and float(got) == 3.0
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e8m0fnu, torch.bool]
+)
+def test_every_torch_dtype_decodes_through_safetensors(tmp_path, dtype):
+    # The hand-written decoder this replaced could not read U16 / U32 / U64 / F8_E8M0.
+    t = torch.tensor([4.0, 2.0]).to(dtype)
+    save_file({"x.k_scale": t}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = open_checkpoint(tmp_path)
+    got = ckpt.read_tensor(ckpt.tensors["x.k_scale"])
+    assert got.dtype == dtype and torch.equal(got.double(), t.double())
+
+
+def test_a_dtype_torch_cannot_hold_is_a_checkpoint_error(tmp_path):
+    header = {"x.k_scale": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}
+    _write_raw(tmp_path / "model.safetensors", header, b"\0" * 3)
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = open_checkpoint(tmp_path)  # a valid file: the engines accept it
+    with pytest.raises(CheckpointError, match=r"tensor 'x.k_scale' \(dtype F6_E2M3\) cannot be"):
+        ckpt.read_tensor(ckpt.tensors["x.k_scale"])
+
+
 # ------------------------------------------------------------------ unusable input
 
 
@@ -151,6 +173,31 @@ def test_truncated_or_corrupt_header_names_the_file(tmp_path, damage, match):
     with pytest.raises(CheckpointError, match=match) as err:
         open_checkpoint(d)
     assert str(path) in str(err.value)
+
+
+F32 = {"dtype": "F32", "shape": [1]}
+
+
+@pytest.mark.parametrize(
+    ("offsets", "data", "match"),
+    [
+        ([[0, 4], [0, 4]], 4, r"invalid offset for tensor `b` \(tensors overlap"),
+        ([[0, 4], [8, 12]], 12, r"invalid offset for tensor `b` \(tensors overlap, leave a gap"),
+        ([[0, 4], [4, 8]], 12, r"4 byte\(s\) after the last tensor that no tensor claims"),
+        ([[0, 4], [4, 8]], 6, r"end at byte 8 of the data section, which has only 6 bytes"),
+    ],
+    ids=["overlapping", "gap", "trailing-bytes", "short-data"],
+)
+def test_what_safetensors_refuses_is_refused_naming_the_file(tmp_path, offsets, data, match):
+    header = {name: {**F32, "data_offsets": o} for name, o in zip("ab", offsets, strict=True)}
+    path = _write_raw(tmp_path / "model.safetensors", header, b"\0" * data)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SafetensorError):
+        safe_open(str(path), "pt")  # what an engine's loader does with this file
+    with pytest.raises(CheckpointError, match=match) as err:
+        open_checkpoint(tmp_path)
+    assert str(err.value).startswith(f"{path}: corrupt safetensors file")
+    assert "(safetensors: " in str(err.value) and "Re-download or re-export" in str(err.value)
 
 
 def test_header_entry_with_wrong_size_is_corrupt(tmp_path):
