@@ -108,6 +108,18 @@ class Checkpoint:
     bytes_read: int = 0
     #: Per file: number of tensors in its header.
     tensors_per_file: dict[Path, int] = field(default_factory=dict)
+    #: Per file: the library's handle (``safe_open``), kept from validation for reads.
+    handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+
+    def close(self) -> None:
+        """Release the files' handles (dropping the ``Checkpoint`` does it too)."""
+        self.handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def read_tensor(self, info: TensorInfo) -> Any:
         """A small tensor as a CPU ``torch.Tensor``, decoded by ``safetensors`` (its bytes only).
@@ -121,8 +133,10 @@ class Checkpoint:
                 f"tensors (<= {MAX_DECODE_ELEMENTS}) are decoded."
             )
         try:
-            with _safe_open(info.file) as f:
-                tensor = f.get_tensor(info.name)
+            handle = self.handles.get(info.file)
+            if handle is None:
+                handle = self.handles[info.file] = _safe_open(info.file)
+            tensor = handle.get_tensor(info.name)
         except OSError as exc:
             raise CheckpointError(f"{info.file}: cannot read tensor '{info.name}': {exc}") from exc
         except (SafetensorError, RuntimeError, TypeError) as exc:
@@ -157,7 +171,12 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Ten
     the file (``safe_open``: what the engines' loaders accept); weight bytes are not
     read. Raises ``CheckpointError`` naming the file for anything the library refuses.
     """
-    path = Path(path)
+    tensors, nread, _ = _read_header(Path(path))
+    return tensors, nread
+
+
+def _read_header(path: Path) -> tuple[dict[str, TensorInfo], int, Any]:
+    """``read_safetensors_header`` and the library's open handle of the file."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -182,8 +201,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Ten
         )
     # The library decides what is valid (the header pages are in the page cache now).
     try:
-        with _safe_open(path):
-            pass
+        handle = _safe_open(path)
     except SafetensorError as exc:
         raise CheckpointError(_refused(path, exc, raw, size - 8 - n)) from exc
     except OSError as exc:
@@ -202,7 +220,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Ten
         for name, entry in header.items()
         if name != "__metadata__"
     }
-    return tensors, 8 + n
+    return tensors, 8 + n, handle
 
 
 def _refused(path: Path, exc: SafetensorError, raw: bytes, data_len: int) -> str:
@@ -301,9 +319,10 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     files, sharded, weight_map = _checkpoint_files(root)
     tensors: dict[str, TensorInfo] = {}
     per_file: dict[Path, int] = {}
+    handles: dict[Path, Any] = {}
     bytes_read = 0
     for path in files:
-        found, nread = read_safetensors_header(path)
+        found, nread, handles[path] = _read_header(path)
         bytes_read += nread
         per_file[path] = len(found)
         for name, info in found.items():
@@ -329,4 +348,5 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         sharded=sharded,
         bytes_read=bytes_read,
         tensors_per_file=per_file,
+        handles=handles,
     )
