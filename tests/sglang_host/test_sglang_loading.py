@@ -224,10 +224,10 @@ def test_zero_points_are_accepted_and_dropped(tiny, kvscale_warnings):
 
 @pytest.mark.parametrize("fnuz", [False, True], ids=["fp8", "fp8-fnuz"])
 def test_reload_gives_latest_scales_in_place_without_compounding(tiny, monkeypatch, fnuz):
-    from kvscale_plugin.hosts import _sglang_impl
+    from kvscale_plugin.hosts.sglang import method
 
     # On FP8-fnuz (ROCm MI300) every loaded scale is doubled, once.
-    monkeypatch.setattr(_sglang_impl, "is_fp8_fnuz", lambda: fnuz)
+    monkeypatch.setattr(method, "is_fp8_fnuz", lambda: fnuz)
     factor = 2.0 if fnuz else 1.0
     a = tiny("sgl-reload-a", family="qwen3", scales=SCALES)
     b = tiny("sgl-reload-b", family="qwen3", scales=SCALES_B)

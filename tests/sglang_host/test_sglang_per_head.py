@@ -145,9 +145,9 @@ def test_single_per_head_scale_is_used_for_k_and_v(tiny, naming):
 
 @pytest.mark.parametrize("fnuz", [False, True], ids=["fp8", "fp8-fnuz"])
 def test_reload_per_head_new_values_same_tensors(tiny, monkeypatch, fnuz):
-    from kvscale_plugin.hosts import _sglang_impl
+    from kvscale_plugin.hosts.sglang import method
 
-    monkeypatch.setattr(_sglang_impl, "is_fp8_fnuz", lambda: fnuz)
+    monkeypatch.setattr(method, "is_fp8_fnuz", lambda: fnuz)
     factor = 2.0 if fnuz else 1.0  # FP8-fnuz: every head doubled, once
     a = per_head_checkpoint(tiny, "sgl-ph-reload-a", family="qwen3", scales=PER_HEAD)
     b = per_head_checkpoint(tiny, "sgl-ph-reload-b", family="qwen3", scales=PER_HEAD_B)
@@ -207,13 +207,13 @@ def test_explicit_bf16_cache_wins_over_per_head_scheme(tiny):
     ],
 )
 def test_rank_kv_heads_partitions_or_replicates(total, size, expected):
-    from kvscale_plugin.hosts._sglang_impl import rank_kv_heads
+    from kvscale_plugin.hosts.sglang.method import rank_kv_heads
 
     assert [rank_kv_heads(total, rank, size) for rank in range(size)] == expected
 
 
 def test_place_kv_heads_uses_the_layout_that_matches_the_layer():
-    from kvscale_plugin.hosts._sglang_impl import place_kv_heads
+    from kvscale_plugin.hosts.sglang.method import place_kv_heads
 
     # Attention TP (DP attention: rank 1 of 2) vs full TP (rank 3 of 4), 4 KV heads: a layer
     # with 2 heads per rank was split over the attention TP group, one with 1 over full TP.
@@ -229,16 +229,16 @@ def test_rank_heads_are_taken_from_the_full_tensor(tiny, monkeypatch):
     # A rank that holds head 1 only (rank 1 of 2, 2 KV heads) -- simulated by giving the
     # layer one KV head on this single-process group: the full tensor is validated, the
     # rank keeps head 1, and serves it exactly (no max over heads it does not hold).
-    from kvscale_plugin.hosts import _sglang_impl
+    from kvscale_plugin.hosts.sglang import method
 
-    monkeypatch.setattr(_sglang_impl, "_tp_layouts", lambda: [(1, 2)])
-    original = _sglang_impl._head_placement
+    monkeypatch.setattr(method, "_tp_layouts", lambda: [(1, 2)])
+    original = method._head_placement
 
     def one_head(cfg, layer):
         monkeypatch.setattr(layer, "tp_k_head_num", 1)
         return original(cfg, layer)
 
-    monkeypatch.setattr(_sglang_impl, "_head_placement", one_head)
+    monkeypatch.setattr(method, "_head_placement", one_head)
     ckpt = per_head_checkpoint(tiny, "sgl-ph-llama-rank1", family="llama")
     model, _ = build_model(ckpt)
     expected = {i: ((k[1],), (v[1],)) for i, (k, v) in PER_HEAD.items()}

@@ -22,15 +22,17 @@ def _registration_counts() -> Counter:
     from sglang.srt.layers.quantization import CPU_QUANTIZATION_METHODS, QUANTIZATION_METHODS
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvscale_plugin.hosts import _sglang_impl
+    from kvscale_plugin.hosts.sglang import method, patches
 
     counts = Counter(
         choices=QUANTIZATION_CHOICES.count("kvscale"),
-        methods=int(QUANTIZATION_METHODS.get("kvscale") is _sglang_impl.KVScaleConfig),
-        cpu_methods=int(CPU_QUANTIZATION_METHODS.get("kvscale") is _sglang_impl.KVScaleConfig),
+        methods=int(QUANTIZATION_METHODS.get("kvscale") is method.KVScaleConfig),
+        cpu_methods=int(CPU_QUANTIZATION_METHODS.get("kvscale") is method.KVScaleConfig),
     )
-    for target, hook, _kind in _sglang_impl._hooks():
-        counts[target] = sum(h is hook for _, h, _ in HookRegistry._hooks.get(target, ()))
+    for patch in patches.PATCHES:
+        counts[patch.target] = sum(
+            h is patch.hook for _, h, _ in HookRegistry._hooks.get(patch.target, ())
+        )
     return counts
 
 
@@ -40,7 +42,7 @@ def test_load_plugins_discovers_the_entry_point():
     from sglang.srt.layers.quantization import BASE_QUANTIZATION_METHODS
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvscale_plugin.hosts import _sglang_impl
+    from kvscale_plugin.hosts.sglang import patches
 
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvscale"]
     assert [ep.value for ep in eps] == [ENTRY_POINT]
@@ -49,21 +51,22 @@ def test_load_plugins_discovers_the_entry_point():
     counts = _registration_counts()
     assert set(counts.values()) == {1}, counts
     assert "kvscale" not in BASE_QUANTIZATION_METHODS
-    assert {target for target, _, _ in _sglang_impl._hooks()} <= HookRegistry._patched
+    assert {patch.target for patch in patches.PATCHES} <= HookRegistry._patched
 
 
 def test_registering_again_adds_nothing():
     from sglang.srt.plugins import load_plugins
 
-    from kvscale_plugin.hosts import _sglang_impl, sglang
+    from kvscale_plugin.hosts import sglang
+    from kvscale_plugin.hosts.sglang import method, patches
 
     before = _registration_counts()
     sglang.register()
     sglang.register()
     load_plugins()
     # Even below the once-only guard, each registration step is idempotent on its own.
-    _sglang_impl.register_quantization()
-    _sglang_impl.register_hooks()
+    method.register_quantization()
+    patches.register_hooks()
     assert _registration_counts() == before
 
 
@@ -92,7 +95,7 @@ def test_model_config_and_get_quant_config_pick_kvscale(tiny, family):
     )
     from sglang.srt.model_loader.weight_utils import get_quant_config
 
-    from kvscale_plugin.hosts._sglang_impl import KVScaleConfig
+    from kvscale_plugin.hosts.sglang.method import KVScaleConfig
 
     ckpt = tiny(f"sgl-{family}", family=family, scales=SCALES)
     model_config = ModelConfig(str(ckpt), quantization="kvscale", dtype="bfloat16")

@@ -1,38 +1,32 @@
-"""SGLang classes and hooks for ``--quantization kvscale`` (imported only by
-``hosts.sglang.register``).
+"""The ``kvscale`` quantization method for SGLang: config, KV-cache method, scale loaders.
+
+This is SGLang's documented extension point (a quantization config registered by
+name, whose ``get_quant_method`` gives each ``RadixAttention`` a KV-cache method); it
+is imported only by ``hosts.sglang.register``. The ``HookRegistry`` patches for
+SGLang 0.5.23's gaps live apart, in ``hosts.sglang.patches``.
 
 Thin translation from SGLang's quantization API to the host-independent core:
-``scheme.judge_kv_cache_scheme`` decides, ``names.map_scale_name`` maps,
-``scales.resolve_kv_scales`` resolves. Nothing here decides policy.
-
-What SGLang 0.5.23 gets from here, beyond its own compressed-tensors support:
+``scheme.judge_kv_cache_scheme`` decides, ``scales.resolve_kv_scales`` resolves.
+Nothing here decides policy.
 
 * ``KVScaleConfig``: SGLang's ``CompressedTensorsConfig`` (linear / MoE weight
   schemes unchanged) whose ``RadixAttention`` layers get ``KVScaleKVCacheMethod``.
-* Name mapping (``HookRegistry``): checkpoint scale names are mapped through the
-  pluggy hook before a model's ``load_weights`` sees them, and
-  ``maybe_remap_kv_scale_name`` (where SGLang's loaders look scale names up)
-  passes mapped names through instead of appending a second ``.attn``.
-* Attention modules that build ``RadixAttention`` without ``quant_config``
-  (dense Qwen3, Qwen3-MoE) get the KV method attached after ``__init__``.
-* Mixtral keeps its native model class under ``--quantization kvscale`` (SGLang
-  routes Mixtral with an unknown quantization name to ``QuantMixtralForCausalLM``).
+* ``KVScaleKVCacheMethod``: float32 sentinel placeholders for ``k_scale`` /
+  ``v_scale``, parameter loaders that validate and record each load cycle's
+  checkpoint values, checkpoint-first resolution after loading.
 * Per-head scales (``strategy: attn_head``, ``[num_kv_heads, 1, 1]`` per layer):
   SGLang 0.5.23 has no per-head KV scale path (``BaseKVCacheMethod`` makes a scalar
   ``k_scale`` and refuses non-scalar values; its compressed-tensors config ignores
   ``attn_head``; cache writes and attention backends take one scale per layer). kvscale
   validates every head, keeps this TP rank's heads (``layer.kvscale_k_heads`` /
-  ``kvscale_v_heads``) and serves each layer with the max over them, so nothing clips.
+  ``kvscale_v_heads``, placed by ``place_kv_heads``) and serves each layer with the max
+  over them, so nothing clips.
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
-import inspect
-import pkgutil
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +38,6 @@ from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import
 )
 from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_plugin_source
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import warn_once
@@ -54,9 +47,7 @@ from kvscale_plugin.hosts._common import (
     claims_checkpoint,
     no_checkpoint_config_error,
     warn_missing_scales,
-    warn_unmapped_scales,
 )
-from kvscale_plugin.names import map_scale_name, names_attention_layer
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
@@ -69,17 +60,12 @@ from kvscale_plugin.scales import (
 )
 from kvscale_plugin.scheme import SchemeVerdict
 
+#: The host name the pluggy name-mapping hook is asked with.
 HOST = "sglang"
 _SCALE_NAMES = ("k_scale", "v_scale")
 _ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
-#: Attribute set on every parameter this method creates (loaders and hooks key on it).
+#: Attribute set on every parameter this method creates (loaders and patches key on it).
 PLACEHOLDER_ATTR = "kvscale_placeholder"
-
-# The kvscale config of the model whose load_weights is running (gives the name
-# hooks the checkpoint's model_type; None outside a kvscale model's load).
-_ACTIVE_CONFIG: contextvars.ContextVar[KVScaleConfig | None] = contextvars.ContextVar(
-    "kvscale_active_config", default=None
-)
 
 
 class KVScaleConfig(CompressedTensorsConfig):
@@ -109,7 +95,8 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.model_type: str | None = getattr(hf_config, "model_type", None)
         # Checkpoint tensors whose loaded value cannot be served: name -> why.
         self.corrupt_scales: dict[str, str] = {}
-        # How many times the model's load_weights ran (0 after a dummy load).
+        # How many times the model's load_weights ran (0 after a dummy load); counted
+        # by the load_weights wrapper that patches.py installs.
         self.weight_loads = 0
         self._layer_states: weakref.WeakValueDictionary[str, _LayerState] = (
             weakref.WeakValueDictionary()
@@ -430,175 +417,6 @@ def _warn_missing_scales(cfg: KVScaleConfig) -> None:
     )
 
 
-# --- name mapping -------------------------------------------------------------------
-
-
-def _map_weight_names(
-    weights: Iterable[tuple[str, torch.Tensor]], targets: set[str], model_type: str | None,
-    unmapped: set[str] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename checkpoint KV-scale tensors to this model's placeholders, lazily."""
-    if not targets:  # no KV scheme: nothing to map onto, names stay as they are
-        yield from weights
-        return
-    for name, tensor in weights:
-        # Every name is asked (third-party rules may map names without "scale" in them),
-        # but only a placeholder this model owns is mapped onto: other names (e.g.
-        # another PP rank's layers) stay as they are, for the model's loader to decide.
-        mapped = map_scale_name(name, HOST, model_type)
-        if mapped is not None and mapped != name and mapped in targets:
-            name = mapped
-        elif (
-            mapped is not None
-            and unmapped is not None
-            and mapped not in targets
-            and not names_attention_layer(mapped, _placeholder_layers(targets))
-        ):
-            unmapped.add(name)  # SGLang's loader skips it: say so, once, after the load
-        yield name, tensor
-
-
-def _placeholder_layers(targets: set[str]) -> set[str]:
-    return {t.rsplit(".", 1)[0] for t in targets}
-
-
-def _install_name_mapping(model: torch.nn.Module, cfg: KVScaleConfig) -> None:
-    """Wrap this model instance's ``load_weights``: every load path (startup,
-    update_weights_from_disk / _tensor / _distributed) goes through it."""
-    original = model.load_weights
-    if getattr(original, "_kvscale_wrapped", False):
-        return
-    model_ref = weakref.ref(model)
-
-    @functools.wraps(original)
-    def load_weights(weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any):
-        owner = model_ref()
-        targets = (
-            {n for n, p in owner.named_parameters() if getattr(p, PLACEHOLDER_ATTR, False)}
-            if owner is not None
-            else set()
-        )
-        cfg.weight_loads += 1
-        token = _ACTIVE_CONFIG.set(cfg)
-        try:
-            unmapped: set[str] = set()
-            result = original(
-                _map_weight_names(weights, targets, cfg.model_type, unmapped), *args, **kwargs
-            )
-            if unmapped:
-                warn_unmapped_scales(unmapped)
-            return result
-        finally:
-            _ACTIVE_CONFIG.reset(token)
-
-    load_weights._kvscale_wrapped = True  # type: ignore[attr-defined]
-    model.load_weights = load_weights
-
-
-def _hook_initialize_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``model_loader.loader._initialize_model``: set up kvscale models only."""
-    quant_config = args[2] if len(args) > 2 else kwargs.get("quant_config")
-    if quant_config is None:
-        quant_config = getattr(model, "quant_config", None)
-    if isinstance(quant_config, KVScaleConfig) and hasattr(model, "load_weights"):
-        if quant_config.model_type is None:
-            quant_config.model_type = getattr(getattr(model, "config", None), "model_type", None)
-        _install_name_mapping(model, quant_config)
-    return None
-
-
-def _hook_remap_kv_scale_name(
-    original: Callable[..., str | None], name: str, params_dict: dict, *args: Any, **kwargs: Any
-) -> str | None:
-    """AROUND ``weight_utils.maybe_remap_kv_scale_name``: names that map onto a kvscale
-    placeholder are answered by the pluggy hook (stock would append a second ``.attn``
-    to an already-mapped name, or drop ``qkv_proj.k_scale``); everything else is stock."""
-    cfg = _ACTIVE_CONFIG.get()
-    mapped = map_scale_name(name, HOST, cfg.model_type if cfg is not None else None)
-    if mapped is not None:
-        param = params_dict.get(mapped)
-        if param is not None and getattr(param, PLACEHOLDER_ATTR, False):
-            return mapped
-    return original(name, params_dict, *args, **kwargs)
-
-
-def _hook_model_architecture(original: Callable[..., Any], model_config: Any, *args: Any,
-                             **kwargs: Any) -> Any:
-    """AROUND ``model_loader.utils.get_model_architecture``: architecture resolution sees
-    ``compressed-tensors`` (SGLang re-routes Mixtral with an unknown quantization name to
-    ``QuantMixtralForCausalLM``, which has no compressed-tensors weight handling)."""
-    if getattr(model_config, "quantization", None) != QUANTIZATION_METHOD:
-        return original(model_config, *args, **kwargs)
-    model_config.quantization = "compressed-tensors"
-    try:
-        return original(model_config, *args, **kwargs)
-    finally:
-        model_config.quantization = QUANTIZATION_METHOD
-
-
-# Attention modules of SGLang 0.5.23 that build RadixAttention without quant_config,
-# so compressed-tensors KV scales are silently dropped for them.
-ATTENTION_WITHOUT_QUANT_CONFIG = (
-    "sglang.srt.models.qwen3.Qwen3Attention",
-    "sglang.srt.models.qwen3_moe.Qwen3MoeAttention",
-)
-
-
-@functools.cache
-def _init_signature(class_path: str) -> inspect.Signature:
-    # signature() follows HookRegistry's __wrapped__ to the original __init__.
-    return inspect.signature(pkgutil.resolve_name(class_path).__init__)
-
-
-def _attach_kv_method_hook(class_path: str) -> Callable[..., None]:
-    def attach_kv_method(_result: None, module: torch.nn.Module, *args: Any, **kwargs: Any):
-        """AFTER ``<attention>.__init__``: give its RadixAttention our KV method."""
-        try:
-            bound = _init_signature(class_path).bind(module, *args, **kwargs)
-        except TypeError:
-            return None
-        quant_config = bound.arguments.get("quant_config")
-        attn = getattr(module, "attn", None)
-        if not isinstance(quant_config, KVScaleConfig) or not isinstance(attn, RadixAttention):
-            return None
-        if attn.quant_method is not None:
-            return None  # a later SGLang passes quant_config itself
-        prefix = bound.arguments.get("prefix") or ""
-        method = quant_config.get_quant_method(attn, prefix=f"{prefix}.attn" if prefix else "attn")
-        if method is None:
-            return None
-        attn.quant_method = method
-        method.create_weights(attn)
-        fused = (getattr(module, "_fused_k_scale", None), getattr(module, "_fused_v_scale", None))
-        if all(isinstance(t, torch.Tensor) for t in fused):
-            # Qwen3's fused qk-norm/rope cache write reads these CPU copies.
-            attn.kvscale_state.mirrors.append(fused)  # type: ignore[union-attr]
-        return None
-
-    attach_kv_method.__qualname__ = f"kvscale_attach_kv_method[{class_path}]"
-    return attach_kv_method
-
-
-def _hooks() -> list[tuple[str, Callable[..., Any], HookType]]:
-    hooks: list[tuple[str, Callable[..., Any], HookType]] = [
-        ("sglang.srt.model_loader.loader._initialize_model", _hook_initialize_model,
-         HookType.AFTER),
-        ("sglang.srt.model_loader.weight_utils.maybe_remap_kv_scale_name",
-         _hook_remap_kv_scale_name, HookType.AROUND),
-        ("sglang.srt.model_loader.utils.get_model_architecture", _hook_model_architecture,
-         HookType.AROUND),
-    ]
-    hooks += [
-        (f"{path}.__init__", _ATTACH_HOOKS[path], HookType.AFTER)
-        for path in ATTENTION_WITHOUT_QUANT_CONFIG
-    ]
-    return hooks
-
-
-# One hook object per target, so that "already registered" is an identity check.
-_ATTACH_HOOKS = {path: _attach_kv_method_hook(path) for path in ATTENTION_WITHOUT_QUANT_CONFIG}
-
-
 def register_quantization() -> None:
     """Add ``kvscale`` to SGLang's registries and CLI choices (each exactly once)."""
     from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
@@ -614,15 +432,3 @@ def register_quantization() -> None:
     # add_quantization_method_choices is list.extend: it does not de-duplicate.
     if QUANTIZATION_METHOD not in QUANTIZATION_CHOICES:
         add_quantization_method_choices([QUANTIZATION_METHOD])
-
-
-def register_hooks() -> None:
-    """Register the HookRegistry hooks (each exactly once)."""
-    for target, hook, kind in _hooks():
-        if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
-            continue
-        HookRegistry.register(target, hook, kind)
-    if _current_plugin_source.get() is None:
-        # Called outside load_plugins() (which applies hooks itself once every plugin
-        # ran): apply now so that a direct register() call takes effect.
-        HookRegistry.apply_hooks()

@@ -1,0 +1,388 @@
+"""``HookRegistry`` patches that close SGLang 0.5.23's gaps for ``--quantization kvscale``.
+
+Written against SGLang 0.5.23 (``WRITTEN_AGAINST``). The quantization method itself
+(``hosts.sglang.method``) uses SGLang's documented extension point; everything here
+wraps SGLang internals instead, so this is the half of the adapter that breaks when
+SGLang moves code. Each patch is one entry of ``PATCHES``; the gaps they close:
+
+1. ``sglang.srt.model_loader.loader._initialize_model`` (AFTER): SGLang's loaders look
+   checkpoint KV-scale names up in their own fixed patterns, so names in other
+   layouts (``k_proj.k_scale``, ``kv_scale``, third-party rules) are skipped. For a
+   kvscale model, the patch wraps the model instance's ``load_weights`` (every load
+   path: startup, ``update_weights_from_disk`` / ``_tensor`` / ``_distributed``) so
+   checkpoint names are mapped through the pluggy name-mapping hook onto the
+   model's placeholders first, and names that fit no layer are reported once.
+2. ``sglang.srt.model_loader.weight_utils.maybe_remap_kv_scale_name`` (AROUND): where
+   SGLang's ``load_weights`` looks scale names up, stock appends a second ``.attn``
+   to an already-mapped name (or drops ``qkv_proj.k_scale``); names that map onto a
+   kvscale placeholder are answered by the pluggy hook, everything else is stock.
+3. ``sglang.srt.model_loader.utils.get_model_architecture`` (AROUND): SGLang routes
+   Mixtral with an unknown quantization name to ``QuantMixtralForCausalLM``, which has
+   no compressed-tensors weight handling; under ``--quantization kvscale`` the
+   architecture is resolved as for ``compressed-tensors``, so Mixtral keeps its class.
+4. ``sglang.srt.models.qwen3.Qwen3Attention.__init__`` and
+5. ``sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__`` (AFTER): dense Qwen3 and
+   Qwen3-MoE build ``RadixAttention`` without ``quant_config``, so compressed-tensors
+   KV scales are silently dropped for them; the patch attaches the kvscale KV method
+   after ``__init__`` (and keeps Qwen3's fused CPU scale copies equal to the served
+   scales). A SGLang that passes ``quant_config`` itself is left alone.
+
+A moved target fails loudly. SGLang's ``HookRegistry.apply_hooks`` only logs a target
+it cannot resolve and carries on, which would serve with stock behaviour (dropped or
+unmapped scales, FP8 at scale 1.0). ``check_targets`` therefore resolves every target
+itself (imports the module, follows the attribute chain, and checks the parameters
+each hook reads by name or position) and raises ``RuntimeError`` naming each moved
+target, what its patch does, the installed SGLang and what to install.
+``hosts.sglang.register`` runs it before anything is registered, so on such a SGLang
+``kvscale`` is not offered at all (``load_plugins`` logs the error with its traceback;
+``--quantization kvscale`` is then an unknown choice) instead of half-working.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import inspect
+import pkgutil
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_plugin_source
+
+from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin.hosts._common import warn_unmapped_scales
+from kvscale_plugin.hosts.sglang import TESTED_SGLANG_VERSIONS
+from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
+from kvscale_plugin.names import map_scale_name, names_attention_layer
+
+#: The SGLang release these patches were written against (and tested with).
+WRITTEN_AGAINST = "0.5.23"
+
+# The kvscale config of the model whose load_weights is running (gives the name
+# hooks the checkpoint's model_type; None outside a kvscale model's load).
+_ACTIVE_CONFIG: contextvars.ContextVar[KVScaleConfig | None] = contextvars.ContextVar(
+    "kvscale_active_config", default=None
+)
+
+
+def _map_weight_names(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    targets: set[str],
+    model_type: str | None,
+    unmapped: set[str] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename checkpoint KV-scale tensors to this model's placeholders, lazily."""
+    if not targets:  # no KV scheme: nothing to map onto, names stay as they are
+        yield from weights
+        return
+    for name, tensor in weights:
+        # Every name is asked (third-party rules may map names without "scale" in them),
+        # but only a placeholder this model owns is mapped onto: other names (e.g.
+        # another PP rank's layers) stay as they are, for the model's loader to decide.
+        mapped = map_scale_name(name, HOST, model_type)
+        if mapped is not None and mapped != name and mapped in targets:
+            name = mapped
+        elif (
+            mapped is not None
+            and unmapped is not None
+            and mapped not in targets
+            and not names_attention_layer(mapped, _placeholder_layers(targets))
+        ):
+            unmapped.add(name)  # SGLang's loader skips it: say so, once, after the load
+        yield name, tensor
+
+
+def _placeholder_layers(targets: set[str]) -> set[str]:
+    return {t.rsplit(".", 1)[0] for t in targets}
+
+
+def _install_name_mapping(model: torch.nn.Module, cfg: KVScaleConfig) -> None:
+    """Wrap this model instance's ``load_weights``: every load path (startup,
+    update_weights_from_disk / _tensor / _distributed) goes through it."""
+    original = model.load_weights
+    if getattr(original, "_kvscale_wrapped", False):
+        return
+    model_ref = weakref.ref(model)
+
+    @functools.wraps(original)
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any):
+        owner = model_ref()
+        targets = (
+            {n for n, p in owner.named_parameters() if getattr(p, PLACEHOLDER_ATTR, False)}
+            if owner is not None
+            else set()
+        )
+        cfg.weight_loads += 1
+        token = _ACTIVE_CONFIG.set(cfg)
+        try:
+            unmapped: set[str] = set()
+            result = original(
+                _map_weight_names(weights, targets, cfg.model_type, unmapped), *args, **kwargs
+            )
+            if unmapped:
+                warn_unmapped_scales(unmapped)
+            return result
+        finally:
+            _ACTIVE_CONFIG.reset(token)
+
+    load_weights._kvscale_wrapped = True  # type: ignore[attr-defined]
+    model.load_weights = load_weights
+
+
+def _hook_initialize_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``model_loader.loader._initialize_model``: set up kvscale models only."""
+    quant_config = args[2] if len(args) > 2 else kwargs.get("quant_config")
+    if quant_config is None:
+        quant_config = getattr(model, "quant_config", None)
+    if isinstance(quant_config, KVScaleConfig) and hasattr(model, "load_weights"):
+        if quant_config.model_type is None:
+            quant_config.model_type = getattr(getattr(model, "config", None), "model_type", None)
+        _install_name_mapping(model, quant_config)
+    return None
+
+
+def _hook_remap_kv_scale_name(
+    original: Callable[..., str | None], name: str, params_dict: dict, *args: Any, **kwargs: Any
+) -> str | None:
+    """AROUND ``weight_utils.maybe_remap_kv_scale_name``: names that map onto a kvscale
+    placeholder are answered by the pluggy hook (stock would append a second ``.attn``
+    to an already-mapped name, or drop ``qkv_proj.k_scale``); everything else is stock."""
+    cfg = _ACTIVE_CONFIG.get()
+    mapped = map_scale_name(name, HOST, cfg.model_type if cfg is not None else None)
+    if mapped is not None:
+        param = params_dict.get(mapped)
+        if param is not None and getattr(param, PLACEHOLDER_ATTR, False):
+            return mapped
+    return original(name, params_dict, *args, **kwargs)
+
+
+def _hook_model_architecture(
+    original: Callable[..., Any], model_config: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``model_loader.utils.get_model_architecture``: architecture resolution sees
+    ``compressed-tensors`` (SGLang re-routes Mixtral with an unknown quantization name to
+    ``QuantMixtralForCausalLM``, which has no compressed-tensors weight handling)."""
+    if getattr(model_config, "quantization", None) != QUANTIZATION_METHOD:
+        return original(model_config, *args, **kwargs)
+    model_config.quantization = "compressed-tensors"
+    try:
+        return original(model_config, *args, **kwargs)
+    finally:
+        model_config.quantization = QUANTIZATION_METHOD
+
+
+# Attention modules of SGLang 0.5.23 that build RadixAttention without quant_config,
+# so compressed-tensors KV scales are silently dropped for them.
+ATTENTION_WITHOUT_QUANT_CONFIG = (
+    "sglang.srt.models.qwen3.Qwen3Attention",
+    "sglang.srt.models.qwen3_moe.Qwen3MoeAttention",
+)
+
+
+@functools.cache
+def _init_signature(class_path: str) -> inspect.Signature:
+    # signature() follows HookRegistry's __wrapped__ to the original __init__.
+    return inspect.signature(pkgutil.resolve_name(class_path).__init__)
+
+
+def _attach_kv_method_hook(class_path: str) -> Callable[..., None]:
+    def attach_kv_method(_result: None, module: torch.nn.Module, *args: Any, **kwargs: Any):
+        """AFTER ``<attention>.__init__``: give its RadixAttention our KV method."""
+        try:
+            bound = _init_signature(class_path).bind(module, *args, **kwargs)
+        except TypeError:
+            return None
+        quant_config = bound.arguments.get("quant_config")
+        attn = getattr(module, "attn", None)
+        if not isinstance(quant_config, KVScaleConfig) or not isinstance(attn, RadixAttention):
+            return None
+        if attn.quant_method is not None:
+            return None  # a later SGLang passes quant_config itself
+        prefix = bound.arguments.get("prefix") or ""
+        method = quant_config.get_quant_method(attn, prefix=f"{prefix}.attn" if prefix else "attn")
+        if method is None:
+            return None
+        attn.quant_method = method
+        method.create_weights(attn)
+        fused = (getattr(module, "_fused_k_scale", None), getattr(module, "_fused_v_scale", None))
+        if all(isinstance(t, torch.Tensor) for t in fused):
+            # Qwen3's fused qk-norm/rope cache write reads these CPU copies.
+            attn.kvscale_state.mirrors.append(fused)  # type: ignore[union-attr]
+        return None
+
+    attach_kv_method.__qualname__ = f"kvscale_attach_kv_method[{class_path}]"
+    return attach_kv_method
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One ``HookRegistry`` hook on ``module``.``attr`` (``attr`` may be dotted).
+
+    ``params`` are the target's parameters the hook reads: by name, or, when
+    ``leading``, positionally as the target's first parameters in that order.
+    """
+
+    module: str
+    attr: str
+    hook: Callable[..., Any]
+    kind: HookType
+    does: str
+    params: tuple[str, ...] = ()
+    leading: bool = False
+
+    @property
+    def target(self) -> str:
+        """The dotted path ``HookRegistry`` is given."""
+        return f"{self.module}.{self.attr}"
+
+
+# One hook object per target, so that "already registered" is an identity check.
+_ATTACH_HOOKS = {path: _attach_kv_method_hook(path) for path in ATTENTION_WITHOUT_QUANT_CONFIG}
+
+#: Every patch, in registration order (see the module docstring for the gaps).
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "sglang.srt.model_loader.loader",
+        "_initialize_model",
+        _hook_initialize_model,
+        HookType.AFTER,
+        "maps checkpoint KV-scale names onto kvscale's placeholders before a model's "
+        "load_weights sees them (without it, scales in other naming layouts are not loaded)",
+        params=("model_config", "load_config", "quant_config"),
+        leading=True,
+    ),
+    Patch(
+        "sglang.srt.model_loader.weight_utils",
+        "maybe_remap_kv_scale_name",
+        _hook_remap_kv_scale_name,
+        HookType.AROUND,
+        "passes already-mapped KV-scale names through SGLang's name remapping (without it, "
+        "mapped scales are renamed away and not loaded)",
+        params=("name", "params_dict"),
+        leading=True,
+    ),
+    Patch(
+        "sglang.srt.model_loader.utils",
+        "get_model_architecture",
+        _hook_model_architecture,
+        HookType.AROUND,
+        "keeps Mixtral's native model class under --quantization kvscale (without it, "
+        "SGLang picks QuantMixtralForCausalLM, which cannot load compressed-tensors weights)",
+        params=("model_config",),
+        leading=True,
+    ),
+    *(
+        Patch(
+            path.rsplit(".", 1)[0],
+            f"{path.rsplit('.', 1)[1]}.__init__",
+            _ATTACH_HOOKS[path],
+            HookType.AFTER,
+            f"attaches the kvscale KV method to {path.rsplit('.', 1)[1]}'s RadixAttention, "
+            "which SGLang builds without quant_config (without it, that model's KV scales "
+            "are dropped)",
+            params=("quant_config", "prefix"),
+        )
+        for path in ATTENTION_WITHOUT_QUANT_CONFIG
+    ),
+)
+
+
+def resolve_target(patch: Patch) -> Any:
+    """Import ``patch.module`` and follow ``patch.attr``, as ``HookRegistry`` will.
+
+    Raises ``ImportError`` / ``AttributeError`` (or whatever importing raises) when the
+    target moved.
+    """
+    obj: Any = importlib.import_module(patch.module)
+    path = patch.module
+    for name in patch.attr.split("."):
+        if not hasattr(obj, name):
+            raise AttributeError(f"'{path}' has no attribute '{name}'")
+        obj = getattr(obj, name)
+        path = f"{path}.{name}"
+    return obj
+
+
+def target_problem(patch: Patch) -> str | None:
+    """Why ``patch`` cannot be applied as written on the installed SGLang, or None."""
+    try:
+        obj = resolve_target(patch)
+    except Exception as exc:  # any failure to import or resolve: the target moved
+        return f"{type(exc).__name__}: {exc}"
+    if not callable(obj):
+        return f"it is no longer a function (found {type(obj).__name__})"
+    if not patch.params:
+        return None
+    try:
+        names = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError) as exc:
+        return f"its signature cannot be read ({exc})"
+    if patch.leading:
+        found = [n for n in names if n != "self"][: len(patch.params)]
+        ok = found == list(patch.params)
+    else:
+        ok = set(patch.params) <= set(names)
+    if ok:
+        return None
+    expected = ", ".join(patch.params)
+    return (
+        f"its parameters changed: the patch reads ({expected})"
+        f"{' as its first parameters' if patch.leading else ''}, SGLang has ({', '.join(names)})"
+    )
+
+
+def _installed_sglang() -> str:
+    try:
+        import sglang
+
+        return str(getattr(sglang, "__version__", "unknown"))
+    except ImportError:
+        return "unknown"
+
+
+def moved_targets_error(problems: Iterable[tuple[Patch, str]]) -> RuntimeError:
+    """The error for patches whose target moved: each target, what it does, what to do."""
+    found = _installed_sglang()
+    lines = [
+        f"kvscale: cannot patch SGLang {found}: what kvscale's patches for SGLang "
+        f"{WRITTEN_AGAINST} hook into has moved, so --quantization kvscale is not registered."
+    ]
+    for patch, problem in problems:
+        lines.append(f"  - {patch.target}: {problem}. This patch {patch.does}.")
+    lines.append(
+        "SGLang's HookRegistry would only log this and serve with stock behaviour "
+        f"(KV scales dropped or unmapped). Install a tested SGLang "
+        f"({', '.join(TESTED_SGLANG_VERSIONS)}), "
+        f"or a kvscale-plugin release for SGLang {found}."
+    )
+    return RuntimeError("\n".join(lines))
+
+
+def check_targets(patches: Iterable[Patch] | None = None) -> None:
+    """Raise ``RuntimeError`` (``moved_targets_error``) unless every patch's target
+    resolves on the installed SGLang with the parameters its hook reads."""
+    problems = [
+        (patch, problem)
+        for patch in (PATCHES if patches is None else patches)
+        if (problem := target_problem(patch)) is not None
+    ]
+    if problems:
+        raise moved_targets_error(problems)
+
+
+def register_hooks() -> None:
+    """Check every target (``check_targets``), then register each patch exactly once."""
+    check_targets()
+    for patch in PATCHES:
+        if any(h is patch.hook for _, h, _ in HookRegistry._hooks.get(patch.target, ())):
+            continue
+        HookRegistry.register(patch.target, patch.hook, patch.kind)
+    if _current_plugin_source.get() is None:
+        # Called outside load_plugins() (which applies hooks itself once every plugin
+        # ran): apply now so that a direct register() call takes effect.
+        HookRegistry.apply_hooks()
