@@ -5,11 +5,11 @@ Written against SGLang 0.5.23 (``WRITTEN_AGAINST``). The quantization method its
 wraps SGLang internals instead, so this is the half of the adapter that breaks when
 SGLang moves code. Each patch is one entry of ``PATCHES``; the gaps they close:
 
-1. ``sglang.srt.model_loader.loader._initialize_model`` (AFTER): SGLang's loaders look
-   checkpoint KV-scale names up in their own fixed patterns, so names in other
-   layouts (``k_proj.k_scale``, ``kv_scale``, third-party rules) are skipped. For a
-   kvscale model, the patch wraps the model instance's ``load_weights`` (every load
-   path: startup, ``update_weights_from_disk`` / ``_tensor`` / ``_distributed``) so
+1. ``sglang.srt.model_loader.loader._initialize_model`` (AFTER): SGLang's loaders only
+   know their own KV-scale names, so scales named otherwise (other checkpoint layouts,
+   third-party name-mapping rules) would be skipped. For a kvscale model, the patch
+   wraps the model instance's ``load_weights`` (every load path: startup,
+   ``update_weights_from_disk`` / ``_tensor`` / ``_distributed``) so
    checkpoint names are mapped through the pluggy name-mapping hook onto the
    model's placeholders first, and names that fit no layer are reported once.
 2. ``sglang.srt.model_loader.weight_utils.maybe_remap_kv_scale_name`` (AROUND): where
