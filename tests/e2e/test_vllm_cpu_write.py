@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvscale_plugin import tinymodels
-from kvscale_plugin.hosts import vllm_cpu_write
+from kvscale_plugin.hosts.vllm import cpu_write as vllm_cpu_write
 from kvscale_plugin.hosts.vllm_probe import (
     attention_layers,
     logprob_error,
@@ -394,7 +394,7 @@ def test_rne_write_is_closer_to_the_bf16_cache_than_vllms(checkpoint):
 _MULTIPROC = """
 import json, os, sys
 from vllm import LLM, SamplingParams
-from kvscale_plugin.hosts.vllm_cpu_write import model_write_routes
+from kvscale_plugin.hosts.vllm.cpu_write import model_write_routes
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], quantization="kvscale", enforce_eager=True,
               kv_cache_memory_bytes=64 * 2**20, block_size=32, max_model_len=512)

@@ -275,7 +275,7 @@ def test_reload_legacy_kv_scale_leaves_no_stale_v(tiny):
 
 
 def test_reload_on_fnuz_doubles_once(tiny, monkeypatch):
-    from kvscale_plugin.hosts import _vllm_impl
+    from kvscale_plugin.hosts.vllm import method as _vllm_impl
 
     ckpt = tiny("default", num_layers=2)
     stored = read_stored_scales(ckpt)

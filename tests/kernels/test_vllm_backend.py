@@ -22,7 +22,7 @@ from vllm.v1.attention.backend import AttentionType  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
-from kvscale_plugin.hosts import vllm_backend  # noqa: E402
+from kvscale_plugin.hosts.vllm import backend as vllm_backend  # noqa: E402
 from kvscale_plugin.kernels import fp8_cache_write_reference  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 64, 16, 3

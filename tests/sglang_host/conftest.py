@@ -94,7 +94,8 @@ def sglang_runtime() -> Iterator[None]:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(backend="gloo")
 
-    # Without this SGLang's rotary embedding looks for vLLM's CUDA ops (docs/running-engines-on-cpu.md).
+    # Without this SGLang's rotary embedding looks for vLLM's CUDA ops
+    # (docs/running-engines-on-cpu.md).
     import sglang.srt.layers.rotary_embedding.base as rotary_base
 
     rotary_base._is_cpu = True

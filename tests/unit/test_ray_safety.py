@@ -46,7 +46,7 @@ QUANT_CONFIG = {"quant_method": "compressed-tensors", "config_groups": {}, "form
 WORKER = r"""
 import pickle, sys, threading
 config = pickle.load(open(sys.argv[1], "rb"))          # the actor's arguments
-import kvscale_plugin.hosts._vllm_impl as impl
+import kvscale_plugin.hosts.vllm.method as impl
 calls = []
 real = impl.register_quantization
 impl.register_quantization = lambda: (calls.append(1), real())[1]
@@ -95,7 +95,7 @@ from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 assert QUANTIZATION_METHODS.count("kvscale") == 1, QUANTIZATION_METHODS
 assert host._registered
 print("BARE-OK")
-from kvscale_plugin.hosts._vllm_impl import KVScaleConfig
+from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 pickle.dump(KVScaleConfig.from_config(json.loads(sys.argv[2])), open(sys.argv[1], "wb"))
 """
 

@@ -2,7 +2,8 @@
 
 vLLM loads general plugins in every process (API server, engine core, each
 worker), so ``register`` is idempotent. vLLM is imported only inside it; the
-classes that subclass vLLM's live in ``_vllm_impl`` and are imported lazily.
+classes that subclass vLLM's live in ``method`` (with ``parity``, ``backend`` and
+``cpu_write`` beside it) and are imported lazily.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def register() -> None:
         from kvscale_plugin.hosts._common import base_version, import_adapter
 
         found = base_version(getattr(vllm, "__version__", "unknown"))
-        _vllm_impl = import_adapter(
-            "vLLM", found, TESTED_VLLM_VERSIONS, "kvscale_plugin.hosts._vllm_impl"
+        method = import_adapter(
+            "vLLM", found, TESTED_VLLM_VERSIONS, "kvscale_plugin.hosts.vllm.method"
         )
-        _vllm_impl.register_quantization()
+        method.register_quantization()
         _register_backend()
         _install_cpu_write()
         _registered = True
@@ -44,7 +45,7 @@ def _register_backend() -> None:
     # The fused Triton cache-write backend is optional: a failure there must not
     # take the scale loading (the part every platform needs) down with it.
     try:
-        from kvscale_plugin.hosts.vllm_backend import register_backend
+        from kvscale_plugin.hosts.vllm.backend import register_backend
 
         register_backend()
     except Exception as exc:  # noqa: BLE001 - reported, and scale loading keeps working
@@ -62,7 +63,7 @@ def _install_cpu_write() -> None:
     # Round-to-nearest-even FP8 cache write for kvscale layers on vLLM's CPU
     # platform. Optional like the backend: a failure keeps vLLM's own write.
     try:
-        from kvscale_plugin.hosts.vllm_cpu_write import install
+        from kvscale_plugin.hosts.vllm.cpu_write import install
 
         install()
     except Exception as exc:  # noqa: BLE001 - reported, and scale loading keeps working

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvscale_plugin._log import logger, warn_once
-from kvscale_plugin.hosts.vllm_backend import is_kvscale_layer
+from kvscale_plugin.hosts.vllm.backend import is_kvscale_layer
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
 """Environment variable: ``rne`` (default, kvscale's write) or ``vllm`` (vLLM's own)."""

@@ -40,8 +40,8 @@ from kvscale_plugin.hosts._common import (
     warn_missing_scales,
     warn_unmapped_scales,
 )
-from kvscale_plugin.hosts.vllm_parity import install as install_name_parity
-from kvscale_plugin.hosts.vllm_parity import warn_vision_tower_difference
+from kvscale_plugin.hosts.vllm.parity import install as install_name_parity
+from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.names import map_scale_name, names_attention_layer
 from kvscale_plugin.scales import (
     SENTINEL,
