@@ -255,7 +255,25 @@ def _refused(path: Path, exc: SafetensorError, raw: bytes, data_len: int) -> str
                 else f": {data_len - last} byte(s) after the last tensor that no tensor claims"
             )
         elif "invalid offset" in why:
-            why += " (tensors overlap, leave a gap in the data section, or end before they begin)"
+            # The library names one tensor of an overlapping pair, in no fixed order: name
+            # the first offending tensor in offset order instead (what the library checks).
+            why = "invalid offset for tensor"
+            prev = 0
+            for begin, end, name in sorted((b, e, name) for name, _, _, b, e in entries):
+                if begin != prev or end < begin:
+                    what = (
+                        "ends before it begins"
+                        if end < begin
+                        else "overlaps the tensor before it"
+                        if begin < prev
+                        else "leaves a gap after the tensor before it"
+                    )
+                    detail += (
+                        f": tensor '{name}' {what} (its data starts at byte {begin} of the "
+                        f"data section, the tensor before it ends at byte {prev})"
+                    )
+                    break
+                prev = end
     except (TypeError, ValueError, KeyError, AttributeError):
         pass  # entries of the wrong type: the library's words say which
     return f"{path}: {detail} (safetensors: {why}). {_REREAD}"

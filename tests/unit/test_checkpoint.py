@@ -181,8 +181,8 @@ F32 = {"dtype": "F32", "shape": [1]}
 @pytest.mark.parametrize(
     ("offsets", "data", "match"),
     [
-        ([[0, 4], [0, 4]], 4, r"invalid offset for tensor `b` \(tensors overlap"),
-        ([[0, 4], [8, 12]], 12, r"invalid offset for tensor `b` \(tensors overlap, leave a gap"),
+        ([[0, 4], [0, 4]], 4, r"file: tensor 'b' overlaps the tensor before it \(its data starts"),
+        ([[0, 4], [8, 12]], 12, r"tensor 'b' leaves a gap after the tensor before it \(its data"),
         ([[0, 4], [4, 8]], 12, r"4 byte\(s\) after the last tensor that no tensor claims"),
         ([[0, 4], [4, 8]], 6, r"end at byte 8 of the data section, which has only 6 bytes"),
     ],
