@@ -1,14 +1,37 @@
-"""``kvscale inspect``: see ``kvscale_plugin.inspection.report`` (being split into modules)."""
+"""``kvscale inspect MODEL_DIR``: what a checkpoint's KV-cache scales will do, without an engine.
 
-from kvscale_plugin.inspection.report import (
-    SCHEMA_VERSION,
-    InspectReport,
-    inspect_checkpoint,
-    render_text,
-    report_to_json,
-    run_inspect,
-    stock_vllm_scheme,
-)
+Reads ``config.json`` and safetensors headers, and only the bytes of the scale
+tensors (``kvscale_plugin.checkpoint``), then builds the report through the same core
+the host adapters use. Nothing here imports a host engine. The package, in the order
+the report is built:
+
+* ``config``   -- reading ``config.json``: layers, attention layers, MTP layers, heads;
+* ``tensors``  -- classifying and decoding scale tensors (naming, values, problems);
+* ``report``   -- ``inspect_checkpoint``: scheme verdict, name hooks, scale rules, and
+  kvscale's view of every layer;
+* ``stock``    -- the model of what stock vLLM 0.32 / SGLang 0.5.23 do instead;
+* ``problems`` -- the catalogue of problems (codes, severities) and their collection;
+* ``records``  -- the in-memory report (dataclasses) the modules above fill;
+* ``render``   -- the text table; ``schema`` -- the ``--json`` output as pydantic models
+  (their JSON schema, ``schema.json``, documents it).
+
+Exit status (``run_inspect``): 0 nothing that changes what is served; 1 problems
+that change what is served (an ``error`` in ``problems``); 2 unusable input (not
+a directory, no/invalid ``config.json``, no safetensors files, a safetensors file
+the ``safetensors`` library refuses, index and shards disagree).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from kvscale_plugin.checkpoint import CheckpointError
+from kvscale_plugin.inspection.records import InspectReport
+from kvscale_plugin.inspection.render import render_text
+from kvscale_plugin.inspection.report import inspect_checkpoint
+from kvscale_plugin.inspection.stock import stock_vllm_scheme
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -19,3 +42,33 @@ __all__ = [
     "run_inspect",
     "stock_vllm_scheme",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The schema module (pydantic models) loads on first use, so that
+    # ``python -m kvscale_plugin.inspection.schema`` does not import it twice.
+    if name in ("SCHEMA_VERSION", "report_to_json"):
+        from kvscale_plugin.inspection import schema
+
+        return getattr(schema, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run_inspect(model_dir: str, as_json: bool = False, host: str = "vllm") -> int:
+    """The ``kvscale inspect`` command: print the report, return the exit status (0, 1, 2)."""
+    try:
+        report = inspect_checkpoint(model_dir, host=host)
+    except CheckpointError as exc:
+        print(f"kvscale inspect: error: {exc}", file=sys.stderr)
+        if as_json:
+            from kvscale_plugin.inspection.schema import error_to_json
+
+            print(json.dumps(error_to_json(str(model_dir), host, exc), indent=2))
+        return 2
+    if as_json:
+        from kvscale_plugin.inspection.schema import report_to_json
+
+        print(json.dumps(report_to_json(report), indent=2))
+    else:
+        sys.stdout.write(render_text(report))
+    return report.exit_status

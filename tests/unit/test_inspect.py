@@ -8,6 +8,7 @@ import math
 import shutil
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -126,9 +127,9 @@ def test_sharded_checkpoint(tiny, capsys):
     status, data = _inspect(capsys, model)
     assert status == 0
     assert data["checkpoint"]["sharded"] and len(data["checkpoint"]["files"]) == 4
-    assert sum(f["tensors"] for f in data["checkpoint"]["files"]) == data["checkpoint"][
-        "num_tensors"
-    ]
+    assert (
+        sum(f["tensors"] for f in data["checkpoint"]["files"]) == data["checkpoint"]["num_tensors"]
+    )
     for i, (k, v) in SCALES.items():
         assert _layer(data, i)["kvscale"] == _view(k, v, "checkpoint")
     scale_files = {t["file"] for t in data["tensors"]}
@@ -281,9 +282,15 @@ def test_text_config_and_hybrid_attention_layers(tiny, tmp_path, capsys):
     # nothing; its FP8-typed value is malformed too.
     assert _codes(data, "error") == {"malformed_dtype", "unmapped"} and status == 1
     assert "not an attention layer" in json.dumps(data["tensors"])
-    assert _layer(data, 1)["k"] == {"tensor": "model.layers.1.self_attn.k_scale", "value": 8.0,
-                                    "dtype": "F8_E4M3", "shape": [1], "naming": "self_attn",
-                                    "heads": None, "values": [8.0]}
+    assert _layer(data, 1)["k"] == {
+        "tensor": "model.layers.1.self_attn.k_scale",
+        "value": 8.0,
+        "dtype": "F8_E4M3",
+        "shape": [1],
+        "naming": "self_attn",
+        "heads": None,
+        "values": [8.0],
+    }
 
 
 def test_conflicting_and_duplicate_tensors(tiny, capsys):
@@ -346,8 +353,9 @@ def test_unsupported_scheme_with_scales(tiny, capsys):
 
 def test_dynamic_scheme_without_scales(tiny, capsys):
     dynamic = {**FP8_KV_SCHEME, "dynamic": True}
-    model = tiny("inspect_dynamic", num_layers=2, kv_cache_scheme=dynamic,
-                 write_scales=False, scales=SCALES)
+    model = tiny(
+        "inspect_dynamic", num_layers=2, kv_cache_scheme=dynamic, write_scales=False, scales=SCALES
+    )
     status, data = _inspect(capsys, model)
     assert status == 0 and _codes(data) == {"unsupported_scheme"}
     assert "dynamic=true" in data["scheme"]["reason"]
@@ -371,8 +379,9 @@ def test_assumed_defaults(tiny, capsys):
 
 
 def test_sglang_host(tiny, capsys):
-    model = tiny("inspect_qwen3_qkv", family="qwen3", num_layers=2, naming="qkv_proj",
-                 scales=SCALES)
+    model = tiny(
+        "inspect_qwen3_qkv", family="qwen3", num_layers=2, naming="qkv_proj", scales=SCALES
+    )
     status, data = _inspect(capsys, model, host="sglang")
     assert status == 0 and data["host"] == "sglang" and data["stock"]["engine"] == "sglang"
     row = _layer(data, 1)
@@ -473,8 +482,9 @@ def test_unusable_input_exits_2_with_a_clear_message(tmp_path, capsys, as_json):
 
 
 def test_truncated_header_exits_2(tiny, tmp_path, capsys):
-    model = shutil.copytree(tiny("inspect_sharded", num_layers=3, scales=SCALES, num_shards=4),
-                            tmp_path / "m")
+    model = shutil.copytree(
+        tiny("inspect_sharded", num_layers=3, scales=SCALES, num_shards=4), tmp_path / "m"
+    )
     shard = model / "model-00003-of-00004.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
     assert run_inspect(str(model), as_json=False, host="vllm") == 2
@@ -740,3 +750,69 @@ def test_per_head_duplicate_and_conflicting_tensors(tiny, capsys):
     assert "duplicate_scales" in _codes(data, "warning")
     assert _layer(data, 1)["problems"] == ["conflicting_scales"]
     assert _layer(data, 0)["problems"] == []
+
+
+# ------------------------------------------------------------------ JSON schema (schema.json)
+
+REGENERATE = (
+    "regenerate it: python -m kvscale_plugin.inspection.schema > "
+    "kvscale_plugin/inspection/schema.json"
+)
+
+
+def test_committed_json_schema_matches_the_models():
+    from kvscale_plugin.inspection.schema import json_schema
+
+    committed = resources.files("kvscale_plugin.inspection").joinpath("schema.json")
+    assert committed.is_file(), f"kvscale_plugin/inspection/schema.json is missing; {REGENERATE}"
+    expected = json.dumps(json_schema(), indent=2) + "\n"
+    assert committed.read_text(encoding="utf-8") == expected, f"schema.json is stale; {REGENERATE}"
+
+
+def test_schema_module_prints_the_schema():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscale_plugin.inspection.schema"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    committed = resources.files("kvscale_plugin.inspection").joinpath("schema.json")
+    assert proc.stdout == committed.read_text(encoding="utf-8"), REGENERATE
+
+
+def test_every_problem_code_is_in_the_catalogue():
+    from typing import get_args
+
+    from kvscale_plugin.inspection.problems import CATALOGUE, ProblemCode
+
+    assert set(get_args(ProblemCode)) == set(CATALOGUE)
+
+
+def test_json_output_validates_against_the_schema_models(tiny, tmp_path, capsys):
+    from pydantic import TypeAdapter
+
+    from kvscale_plugin.inspection.schema import InspectError, InspectOutput
+
+    output = TypeAdapter(InspectOutput | InspectError)
+    nan = tiny("inspect_schema_nan", num_layers=2, scales={**SCALES, 1: (0.5, math.nan)})
+    heads = _per_head_model(tiny, "inspect_schema_heads", _per_head_tensors())
+    for model, want in ((nan, InspectOutput), (heads, InspectOutput), (tmp_path, InspectError)):
+        for host in ("vllm", "sglang"):
+            run_inspect(str(model), as_json=True, host=host)
+            assert isinstance(output.validate_json(capsys.readouterr().out), want)
+
+
+def test_dtypes_the_old_decoder_could_not_read_show_their_values(tiny, capsys):
+    # Decoded by the safetensors library now (U16 / U32 / U64 / F8_E8M0); still not float.
+    model = tiny(
+        "inspect_u16",
+        num_layers=2,
+        scales=SCALES,
+        extra_tensors={"model.layers.1.self_attn.k_scale": _t(3.0, torch.uint16)},
+    )
+    status, data = _inspect(capsys, model)
+    assert status == 1 and _codes(data, "error") == {"malformed_dtype"}
+    k = _layer(data, 1)["k"]
+    assert k["dtype"] == "U16" and k["value"] == 3.0 and k["values"] == [3.0]
+    assert _layer(data, 1)["stock"]["k"] == 3.0

@@ -1,0 +1,437 @@
+"""The JSON output of ``kvscale inspect --json`` as pydantic models: they produce it.
+
+The JSON schema generated from these models is the documentation; it is committed as
+``kvscale_plugin/inspection/schema.json`` (a test keeps it in sync). Regenerate it with::
+
+    python -m kvscale_plugin.inspection.schema > kvscale_plugin/inspection/schema.json
+
+``schema_version`` 1: keys are only ever added. The per-head keys (``num_kv_heads``,
+``num_attention_heads``, ``scheme.per_head``, ``k_heads`` / ``v_heads``, the
+``heads`` / ``values`` of scales and tensors, a tensor problem's ``head``) were added
+without a version bump; readers of the earlier keys see the same values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel, TypeAdapter
+
+from kvscale_plugin import __version__
+from kvscale_plugin.inspection.problems import CATALOGUE, ProblemCode
+from kvscale_plugin.inspection.records import (
+    InspectReport,
+    Kind,
+    LayerView,
+    Naming,
+    Outcome,
+    ScaleTensor,
+    Severity,
+    Source,
+    plain,
+)
+
+SCHEMA_VERSION = 1
+DESCRIPTION = (
+    "Output of `kvscale inspect MODEL_DIR --json` (kvscale-plugin): InspectOutput for a "
+    "readable checkpoint (exit status 0 or 1), InspectError for unusable input (exit "
+    "status 2). schema_version 1: keys are only ever added; the per-head keys (num_kv_heads, "
+    "num_attention_heads, scheme.per_head, k_heads / v_heads, heads / values of scales and "
+    "tensors, a tensor problem's head) were added without a version bump."
+)
+
+
+class Value(RootModel[float | Literal["nan", "inf", "-inf"]]):
+    """A number; "nan", "inf", "-inf" for those (JSON has no such literals)."""
+
+
+_OUTCOMES = (
+    "none: no scheme, nothing is scaled; starts: (engine) starts and serves; refuses: "
+    "refuses to start (unsupported scheme / corrupt scales); fails: crashes at start-up "
+    "while loading; loads: (layer) serves the k/v shown, from the checkpoint; default: "
+    "(layer) serves 1.0, scales missing or dropped by the loader; broken: serves a cache "
+    "corrupted by a bad scale (NaN / inf / zeros); unscaled: serves an unscaled cache, "
+    "checkpoint scales ignored; unverified: not known"
+)
+_SOURCES = (
+    "checkpoint: k and v from the checkpoint; duplicated: one scale (legacy kv_scale) for k "
+    "and v; default: none loaded, 1.0 (one warning); unscaled: scheme unsupported, checkpoint "
+    "ignored; error: start-up stops (CorruptScaleError); none: no scale parameter"
+)
+_CODES = "; ".join(f"{code} ({sev}): {what}" for code, (sev, what) in CATALOGUE.items())
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class FileEntry(_Model):
+    """One safetensors file."""
+
+    name: str
+    tensors: int
+    """Tensors in its header."""
+    bytes: int
+    """File size."""
+
+
+class CheckpointSummary(_Model):
+    """The safetensors files and what inspect read of them."""
+
+    sharded: bool
+    num_tensors: int
+    files: list[FileEntry]
+    total_bytes: int
+    """Size of all safetensors files."""
+    bytes_read: int
+    """Headers and scale tensors actually read."""
+
+
+class SchemeSummary(_Model):
+    """The declared ``kv_cache_scheme`` and kvscale's verdict (``scheme.judge_kv_cache_scheme``)."""
+
+    declared: bool
+    supported: bool
+    reason: str
+    assumed: dict[str, bool | int | float | str | None]
+    """Library defaults for the fields the checkpoint omits."""
+    description: str
+    kv_cache_scheme: Any
+    """As declared in config.json (null: none)."""
+    quant_method: str | None
+    per_head: bool
+    """The scheme has strategy attn_head (supported or not)."""
+
+
+class StockSummary(_Model):
+    """What the unmodified host does with this checkpoint."""
+
+    engine: str
+    """"vllm 0.32" or "sglang"."""
+    outcome: Outcome = Field(description=_OUTCOMES)
+    summary: str
+    basis: str
+    """What the model of the stock host rests on (source read, measurements, reports)."""
+
+
+class KvscaleSummary(_Model):
+    """What the host with kvscale does with this checkpoint."""
+
+    outcome: Outcome = Field(description=_OUTCOMES)
+    summary: str
+
+
+class NameMapping(_Model):
+    """Checkpoint names with the layer index as {i}, and the host parameter they map to."""
+
+    pattern: str
+    target: str | None
+    """Null: no rule maps it."""
+    count: int
+
+
+class ProblemEntry(_Model):
+    """One problem; errors come first."""
+
+    severity: Severity
+    """error: changes what is served (exit status 1); warning: does not."""
+    code: ProblemCode = Field(description=_CODES)
+    message: str
+    tensors: list[str]
+    layers: list[str]
+
+
+class Scale(_Model):
+    """A scale tensor of a layer."""
+
+    tensor: str
+    value: Value | None
+    """Null when not a single element."""
+    dtype: str
+    shape: list[int]
+    naming: Naming
+    heads: int | None
+    """H when it has the per-head layout the attn_head scheme expects; else null."""
+    values: list[Value] | None
+    """Every element (null: not decoded)."""
+
+
+class StockView(_Model):
+    """What the unmodified host serves for the layer."""
+
+    k: Value | None
+    """Per-layer number (max over heads for per-head scales)."""
+    v: Value | None
+    outcome: Outcome = Field(description=_OUTCOMES)
+    note: str
+    k_heads: list[Value] | None
+    """Per head; null unless the scheme is attn_head."""
+    v_heads: list[Value] | None
+
+
+class KvscaleView(_Model):
+    """What kvscale serves for the layer (``scales.resolve_kv_scales``)."""
+
+    k: Value | None
+    """Per-layer number (max over heads for per-head scales)."""
+    v: Value | None
+    source: Source = Field(description=_SOURCES)
+    note: str
+    k_heads: list[Value] | None
+    """Per head; null unless the scheme is attn_head."""
+    v_heads: list[Value] | None
+
+
+class Layer(_Model):
+    """One attention layer; rows with problems first, then by index."""
+
+    layer: str
+    """Attention module, e.g. model.layers.0.self_attn."""
+    index: int | None
+    mtp: bool
+    k: Scale | None
+    v: Scale | None
+    q: Scale | None
+    stock: StockView
+    kvscale: KvscaleView
+    problems: list[ProblemCode]
+
+
+class TensorProblemEntry(_Model):
+    """One problem of one tensor."""
+
+    code: ProblemCode
+    detail: str
+    head: int | None
+    """The bad element of a per-head scale."""
+
+
+class Tensor(_Model):
+    """A scale-like tensor (scale or zero point); tensors with problems first."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: list[int]
+    value: Value | None
+    """Null when not a single element."""
+    values: list[Value] | None
+    """Every element (null: not decoded)."""
+    heads: int | None
+    """As in a layer's scale."""
+    kind: Kind | None
+    naming: Naming
+    target: str | None
+    """Host parameter name (null: unmapped)."""
+    layer: str | None
+    problems: list[TensorProblemEntry]
+
+
+class InspectOutput(_Model):
+    """``kvscale inspect --json`` on a readable checkpoint (exit status 0 or 1)."""
+
+    schema_version: Literal[1]
+    tool: Literal["kvscale inspect"]
+    kvscale_version: str
+    model_dir: str
+    host: Literal["vllm", "sglang"]
+    model_type: str | None
+    """config.json model_type (given to the name-mapping hooks)."""
+    num_hidden_layers: int | None
+    """text_config's for multimodal configs."""
+    attention_layers: list[int] | None
+    """Layer indices expected to hold a KV cache."""
+    mtp_layers: int
+    """MTP / draft layers the config declares."""
+    num_kv_heads: int | None
+    """num_key_value_heads (else num_attention_heads)."""
+    num_attention_heads: int | None
+    checkpoint: CheckpointSummary
+    scheme: SchemeSummary
+    stock: StockSummary
+    kvscale: KvscaleSummary
+    mapping: list[NameMapping]
+    problems: list[ProblemEntry]
+    layers: list[Layer]
+    tensors: list[Tensor]
+    exit_status: Literal[0, 1]
+    """1: an error in problems (it changes what is served)."""
+
+
+class ErrorInfo(_Model):
+    type: str
+    """The exception class (CheckpointError)."""
+    message: str
+    """Names the file and what to do."""
+
+
+class InspectError(_Model):
+    """``kvscale inspect --json`` on unusable input (exit status 2): not a directory,
+    no / invalid config.json, no safetensors files, a safetensors file the library
+    refuses, index and shards disagreeing."""
+
+    schema_version: Literal[1]
+    model_dir: str
+    host: str
+    error: ErrorInfo
+    exit_status: Literal[2]
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _jv(value: float | None) -> float | str | None:
+    """JSON-safe value: JSON has no NaN / inf literals."""
+    if value is None or math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _jvs(values: tuple[float, ...] | None) -> list[float | str | None] | None:
+    return None if values is None else [_jv(x) for x in values]
+
+
+def _scale(t: ScaleTensor | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    return {
+        "tensor": t.name,
+        "value": _jv(t.value),
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "naming": t.naming,
+        "heads": t.heads,
+        "values": _jvs(t.values),
+    }
+
+
+def _view(view: LayerView, outcome_key: str) -> dict[str, Any]:
+    return {
+        "k": _jv(view.k),
+        "v": _jv(view.v),
+        outcome_key: view.outcome,
+        "note": view.note,
+        "k_heads": _jvs(view.k_heads),
+        "v_heads": _jvs(view.v_heads),
+    }
+
+
+def output_model(report: InspectReport) -> InspectOutput:
+    """The report as the (validated) ``schema_version`` 1 model."""
+    v = report.verdict
+    return InspectOutput.model_validate(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "tool": "kvscale inspect",
+            "kvscale_version": __version__,
+            "model_dir": report.model_dir,
+            "host": report.host,
+            "model_type": report.model_type,
+            "num_hidden_layers": report.num_hidden_layers,
+            "attention_layers": report.attention_layers,
+            "mtp_layers": report.mtp_layers,
+            "num_kv_heads": report.num_kv_heads,
+            "num_attention_heads": report.num_attention_heads,
+            "checkpoint": {
+                "sharded": report.sharded,
+                "num_tensors": report.num_tensors,
+                "files": report.files,
+                "total_bytes": report.total_bytes,
+                "bytes_read": report.bytes_read,
+            },
+            "scheme": {
+                "declared": v.declared,
+                "supported": v.supported,
+                "reason": v.reason,
+                "assumed": {k: plain(x) for k, x in v.assumed.items()},
+                "description": v.describe(),
+                "kv_cache_scheme": report.declared_scheme,
+                "quant_method": report.quant_method,
+                "per_head": report.per_head,
+            },
+            "stock": {
+                "engine": report.stock_engine,
+                "outcome": report.stock_outcome,
+                "summary": report.stock_summary,
+                "basis": report.stock_basis,
+            },
+            "kvscale": {"outcome": report.kvscale_outcome, "summary": report.kvscale_summary},
+            "mapping": report.mapping,
+            "problems": [
+                {
+                    "severity": p.severity,
+                    "code": p.code,
+                    "message": p.message,
+                    "tensors": p.tensors,
+                    "layers": p.layers,
+                }
+                for p in report.problems
+            ],
+            "layers": [
+                {
+                    "layer": r.layer,
+                    "index": r.index,
+                    "mtp": r.mtp,
+                    "k": _scale(r.k),
+                    "v": _scale(r.v),
+                    "q": _scale(r.q),
+                    "stock": _view(r.stock, "outcome"),
+                    "kvscale": _view(r.kvscale, "source"),
+                    "problems": r.problems,
+                }
+                for r in report.layers
+            ],
+            "tensors": [
+                {
+                    "name": t.name,
+                    "file": t.file,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "value": _jv(t.value),
+                    "values": _jvs(t.values),
+                    "heads": t.heads,
+                    "kind": t.kind,
+                    "naming": t.naming,
+                    "target": t.target,
+                    "layer": t.layer,
+                    "problems": [
+                        {"code": p.code, "detail": p.detail, "head": p.head} for p in t.problems
+                    ],
+                }
+                for t in report.tensors
+            ],
+            "exit_status": report.exit_status,
+        }
+    )
+
+
+def report_to_json(report: InspectReport) -> dict[str, Any]:
+    """The report as the documented ``schema_version`` 1 JSON object."""
+    return output_model(report).model_dump(mode="json")
+
+
+def error_to_json(model_dir: str, host: str, exc: Exception) -> dict[str, Any]:
+    """The ``--json`` output on unusable input (exit status 2)."""
+    error = ErrorInfo(type=type(exc).__name__, message=str(exc))
+    out = InspectError(
+        schema_version=SCHEMA_VERSION, model_dir=model_dir, host=host, error=error, exit_status=2
+    )
+    return out.model_dump(mode="json")
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of ``kvscale inspect --json`` output (either form)."""
+    adapter: TypeAdapter[InspectOutput | InspectError] = TypeAdapter(InspectOutput | InspectError)
+    schema = adapter.json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "kvscale inspect --json",
+        "description": DESCRIPTION,
+        **schema,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(json_schema(), indent=2))
