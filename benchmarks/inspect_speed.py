@@ -6,7 +6,10 @@ kv_cache_scheme), then measures, with the page cache dropped for the checkpoint'
 files before each run (posix_fadvise DONTNEED after fsync: "cold-ish"):
 
 * inspect: ``inspect_checkpoint(dir)`` in this process (imports already warm);
-* read: reading every safetensors file fully, in 16 MiB chunks.
+* read: reading every safetensors file fully, in 16 MiB chunks;
+* cached: bytes of the checkpoint's files in the page cache after one cold inspect
+  (``mincore``; Linux): what the kernel really read, read-ahead included -- the
+  ``bytes_read`` inspect reports counts only what it asked for.
 
 Checkpoints: the default one (80 layers, 20 shards, a few hundred MB); the same
 tensor count with ~1/60 of the weight bytes; and 2x / 4x the tensors with small
@@ -19,7 +22,9 @@ weights. Prints one row per checkpoint and the inspect/read ratio.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -117,6 +122,39 @@ def drop_cache(ckpt: Path) -> None:
             os.close(fd)
 
 
+def cached_bytes(ckpt: Path) -> int | None:
+    """Bytes of the checkpoint's safetensors files now in the page cache (None: no mincore)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (
+            [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+        )
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for path in files_of(ckpt):
+        size = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            # Mapping a file does not read it; mincore only reports what is cached.
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr is None or addr == ctypes.c_void_p(-1).value:
+                return None
+            vec = ctypes.create_string_buffer(-(-size // page))
+            ok = libc.mincore(addr, size, vec) == 0
+            libc.munmap(addr, size)
+            if not ok:
+                return None
+            total += sum(b & 1 for b in vec.raw) * page
+        finally:
+            os.close(fd)
+    return total
+
+
 def read_all(ckpt: Path) -> int:
     n = 0
     for path in files_of(ckpt):
@@ -144,8 +182,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cli", action="store_true",
-                        help="also time the whole `python -m kvscale_plugin.cli inspect` process")
+    parser.add_argument(
+        "--cli",
+        action="store_true",
+        help="also time the whole `python -m kvscale_plugin.cli inspect` process",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (printed)")
     args = parser.parse_args()
 
@@ -163,16 +204,19 @@ def main() -> None:
     try:
         built = []
         for label, layers, shards, hidden, inter in cases:
-            ckpt = build(tmp / label.replace(" ", "_").replace(",", ""), layers, shards, hidden,
-                         inter)
+            ckpt = build(
+                tmp / label.replace(" ", "_").replace(",", ""), layers, shards, hidden, inter
+            )
             built.append((label, layers, ckpt))
         # Warm imports (torch, compressed-tensors, pluggy rules) outside the timings.
         report = inspect_checkpoint(built[0][2])
         assert report.exit_status == 0, [p.message for p in report.problems]
         assert len(report.layers) == L
 
-        print(f"kvscale inspect vs reading the files; median of {args.repeats}, page cache "
-              "dropped before each run (cold-ish)")
+        print(
+            f"kvscale inspect vs reading the files; median of {args.repeats}, page cache "
+            "dropped before each run (cold-ish)"
+        )
         header = (f"{'checkpoint':<36}{'tensors':>8}{'MB':>9}{'inspect ms':>12}"
                   f"{'(warm) ms':>11}{'read ms':>10}{'inspect/read':>14}")  # fmt: skip
         print(header)
@@ -183,9 +227,18 @@ def main() -> None:
             t_inspect = timed(inspect_checkpoint, ckpt, args.repeats)
             t_warm = timed(inspect_checkpoint, ckpt, args.repeats, cold=False)
             t_read = timed(read_all, ckpt, args.repeats)
-            print(f"{label:<36}{rep.num_tensors:>8}{size / 1e6:>9.1f}{t_inspect * 1e3:>12.1f}"
-                  f"{t_warm * 1e3:>11.1f}{t_read * 1e3:>10.1f}{t_inspect / t_read:>14.4f}")
-            print(f"{'':<36}inspect read {rep.bytes_read:,} of {rep.total_bytes:,} bytes")
+            print(
+                f"{label:<36}{rep.num_tensors:>8}{size / 1e6:>9.1f}{t_inspect * 1e3:>12.1f}"
+                f"{t_warm * 1e3:>11.1f}{t_read * 1e3:>10.1f}{t_inspect / t_read:>14.4f}"
+            )
+            drop_cache(ckpt)
+            inspect_checkpoint(ckpt)
+            cached = cached_bytes(ckpt)
+            shown = "?" if cached is None else f"{cached:,}"
+            print(
+                f"{'':<36}inspect read {rep.bytes_read:,} of {rep.total_bytes:,} bytes; "
+                f"cached after a cold inspect: {shown} bytes"
+            )
         if args.cli:
             ckpt = built[0][2]
             drop_cache(ckpt)
@@ -195,8 +248,10 @@ def main() -> None:
                 capture_output=True, text=True,
             )  # fmt: skip
             wall = time.perf_counter() - t0
-            print(f"whole CLI process on '{built[0][0]}' (Python start-up and imports "
-                  f"included): {wall:.2f} s, exit status {proc.returncode}")
+            print(
+                f"whole CLI process on '{built[0][0]}' (Python start-up and imports "
+                f"included): {wall:.2f} s, exit status {proc.returncode}"
+            )
         if args.keep:
             print(f"checkpoints kept in {tmp}")
     finally:
