@@ -48,15 +48,15 @@ KV_CACHE_BYTES = 256 * 2**20
 
 
 def default_model(tiny: bool, work_dir: Path) -> Path:
-    """SmolLM2 through ``kvscale_plugin.realmodel`` when available, else the tiny model."""
+    """SmolLM2 through ``kvscale_plugin.demo.realmodel`` when available, else the tiny model."""
     if not tiny:
         try:
-            from kvscale_plugin.realmodel import smollm2_checkpoint
+            from kvscale_plugin.demo.realmodel import smollm2_checkpoint
         except ImportError:
-            print("# kvscale_plugin.realmodel not available: using the tiny boosted model")
+            print("# kvscale_plugin.demo.realmodel not available: using the tiny boosted model")
         else:
             return smollm2_checkpoint(log=lambda m: print(f"# {m}"))
-    from kvscale_plugin.tinymodels import TinySpec, build_tiny_checkpoint
+    from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
 
     out = work_dir / "models" / "tiny-calibrated"
     if not (out / "config.json").exists():
@@ -149,7 +149,7 @@ def teacher_forced(llm: Any, chunks: Sequence[Sequence[int]]) -> list[float]:
 
 def run_engine(model_dir: Path, chunks, *, quantization: str | None, kv_cache_dtype: str,
                write: str, max_model_len: int) -> list[float]:  # fmt: skip
-    from kvscale_plugin.hosts.vllm_probe import vllm_engine
+    from kvscale_plugin.demo.probe import vllm_engine
 
     os.environ[ENV_VAR] = write
     try:

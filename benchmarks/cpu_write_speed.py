@@ -143,7 +143,7 @@ def _timed_generate(llm: Any, prompts: list[dict], max_tokens: int) -> float:
 def _set_write(llm: Any, mode: str) -> None:
     """Switch kvscale layers between kvscale's write and vLLM's (decided per layer on
     its next write)."""
-    from kvscale_plugin.hosts.vllm_probe import attention_layers
+    from kvscale_plugin.demo.probe import attention_layers
 
     os.environ[ENV_VAR] = mode
     for layer in attention_layers(llm).values():
@@ -170,7 +170,7 @@ def _record(samples: dict[str, list[dict]], label: str, result: dict) -> None:
 
 def engines(model: Path, cfg: argparse.Namespace, extra_us: dict[int, float],
             num_layers: int) -> None:  # fmt: skip
-    from kvscale_plugin.hosts.vllm_probe import attention_layers, vllm_engine
+    from kvscale_plugin.demo.probe import attention_layers, vllm_engine
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = torch.Generator().manual_seed(1)

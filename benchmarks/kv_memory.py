@@ -29,8 +29,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvscale-kvmem-"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
 
-    from kvscale_plugin.hosts.vllm_probe import attention_layers, vllm_engine
-    from kvscale_plugin.tinymodels import FP8_KV_SCHEME, TinySpec, build_tiny_checkpoint
+    from kvscale_plugin.demo.probe import attention_layers, vllm_engine
+    from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, TinySpec, build_tiny_checkpoint
 
     checkpoints = {
         "tensor": build_tiny_checkpoint(tmp / "tensor", TinySpec(num_layers=2), cache_dir=tmp),

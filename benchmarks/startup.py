@@ -25,8 +25,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
 
-    from kvscale_plugin.hosts.vllm_probe import shutdown
-    from kvscale_plugin.tinymodels import TinySpec, build_tiny_checkpoint
+    from kvscale_plugin.demo.probe import shutdown
+    from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="kvscale-startup-"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
@@ -34,7 +34,7 @@ def main() -> None:
 
     from vllm import LLM
 
-    from kvscale_plugin.hosts.vllm_probe import KV_CACHE_BYTES
+    from kvscale_plugin.demo.probe import KV_CACHE_BYTES
 
     def start(quantization: str | None) -> float:
         t0 = time.perf_counter()

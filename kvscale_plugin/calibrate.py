@@ -329,7 +329,7 @@ def _sorted_modules(names: Iterable[str]) -> list[str]:
 
 def kv_cache_scheme(scheme: str) -> dict[str, Any]:
     """The ``kv_cache_scheme`` llm-compressor writes for a static FP8 KV cache."""
-    from kvscale_plugin.tinymodels import FP8_KV_SCHEME
+    from kvscale_plugin.scheme import FP8_KV_SCHEME
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")

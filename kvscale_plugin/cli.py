@@ -10,7 +10,7 @@ from kvscale_plugin import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvscale_plugin import demo
+    from kvscale_plugin.demo import runner as demo
 
     parser = argparse.ArgumentParser(
         prog="kvscale",
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvscale_plugin import calibrate
 
         return calibrate.run(args)
-    from kvscale_plugin import demo
+    from kvscale_plugin.demo import runner as demo
 
     return demo.run(args)
 

@@ -14,6 +14,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+#: What llm-compressor writes for an FP8 per-tensor static KV cache.
+FP8_KV_SCHEME: dict[str, Any] = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+    "group_size": None,
+    "block_structure": None,
+    "actorder": None,
+    "observer": "minmax",
+    "observer_kwargs": {},
+}
+
 # Fields a real llm-compressor checkpoint sometimes leaves out; when missing,
 # compressed-tensors fills them in and we report them as "assumed".
 _DEFAULTABLE_FIELDS = ("strategy", "symmetric", "dynamic")

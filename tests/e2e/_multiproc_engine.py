@@ -11,7 +11,7 @@ if __name__ == "__main__":
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
-    from kvscale_plugin.hosts.vllm_probe import (
+    from kvscale_plugin.demo.probe import (
         KV_CACHE_BYTES,
         model_kv_head_scales,
         model_kv_scales,

@@ -20,7 +20,7 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
-    from kvscale_plugin.hosts.vllm_probe import KV_CACHE_BYTES, model_kv_scales
+    from kvscale_plugin.demo.probe import KV_CACHE_BYTES, model_kv_scales
 
     model_dir, ids, mode, size = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     parallel = {"pipeline_parallel_size": size} if mode == "pp" else {"data_parallel_size": size}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvscale_plugin.hosts.vllm_probe import KV_CACHE_BYTES
+from kvscale_plugin.demo.probe import KV_CACHE_BYTES
 
 
 def free_port() -> int:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvscale_plugin import calibrate as cal
-from kvscale_plugin.hosts.vllm_probe import attention_layers, layer_index, layer_scales, vllm_engine
-from kvscale_plugin.quality import compare, heldout_token_ids, teacher_forced
+from kvscale_plugin.demo.probe import attention_layers, layer_index, layer_scales, vllm_engine
+from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
 
 pytestmark = pytest.mark.engine
 

@@ -100,7 +100,8 @@ def test_demo_real_pipeline(monkeypatch, tiny, tmp_path, capsys):
     # The --real orchestration (fetch, calibrate, output_scale variant, six engines, table,
     # plot, JSON) on a plain tiny model standing in for SmolLM2 to keep it fast; SmolLM2
     # itself is served in tests/e2e/test_real_model.py.
-    from kvscale_plugin import demo, realmodel
+    from kvscale_plugin.demo import realmodel
+    from kvscale_plugin.demo import runner as demo
 
     plain = tiny("demo-real-plain", num_layers=3, kv_cache_scheme=None,
                  quantization_config=False)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvscale_plugin import calibrate as cal
-from kvscale_plugin.hosts.vllm_probe import layer_index, layer_scales, vllm_engine
+from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
+from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
+from kvscale_plugin.demo.realmodel import smollm2_checkpoint
 from kvscale_plugin.inspection import inspect_checkpoint
-from kvscale_plugin.quality import compare, heldout_token_ids, teacher_forced
-from kvscale_plugin.realmodel import smollm2_checkpoint
 
 pytestmark = pytest.mark.engine
 MAX_LEN = 128

@@ -25,15 +25,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvscale_plugin import tinymodels
-from kvscale_plugin.hosts.vllm import cpu_write as vllm_cpu_write
-from kvscale_plugin.hosts.vllm_probe import (
+from kvscale_plugin.demo import tinymodels
+from kvscale_plugin.demo.probe import (
     attention_layers,
     logprob_error,
     teacher_forced_logprobs,
     vllm_engine,
 )
-from kvscale_plugin.tinymodels import TinySpec, build_tiny_checkpoint, reference_token_ids
+from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint, reference_token_ids
+from kvscale_plugin.hosts.vllm import cpu_write as vllm_cpu_write
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kvscale_plugin.hosts.vllm_probe import (
+from kvscale_plugin.demo.probe import (
     layer_index,
     layer_scales,
     logprob_error,
@@ -20,8 +20,8 @@ from kvscale_plugin.hosts.vllm_probe import (
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 from kvscale_plugin.scales import CorruptScaleError
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
 

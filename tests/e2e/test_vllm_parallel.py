@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from kvscale_plugin.hosts.vllm_probe import (
+from kvscale_plugin.demo.probe import (
     layer_index,
     logprob_error,
     teacher_forced_logprobs,
     vllm_engine,
 )
-from kvscale_plugin.tinymodels import read_stored_scales, reference_token_ids
+from kvscale_plugin.demo.tinymodels import read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
 HERE = Path(__file__).parent

@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
+from kvscale_plugin.demo.probe import attention_layers, layer_scales, vllm_engine
 from kvscale_plugin.hosts.vllm import parity as vllm_parity
-from kvscale_plugin.hosts.vllm_probe import attention_layers, layer_scales, vllm_engine
 
 pytestmark = pytest.mark.engine
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscale_plugin.hosts.vllm_probe import (
+from kvscale_plugin.demo.probe import (
     attention_layers,
     layer_index,
     layer_scales,
@@ -24,8 +24,8 @@ from kvscale_plugin.hosts.vllm_probe import (
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 from kvscale_plugin.scales import CorruptScaleError
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
 HERE = Path(__file__).parent

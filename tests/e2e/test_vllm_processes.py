@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvscale_plugin.hosts.vllm_probe import KV_CACHE_BYTES, layer_index, vllm_engine
-from kvscale_plugin.tinymodels import read_stored_scales, reference_token_ids
+from kvscale_plugin.demo.probe import KV_CACHE_BYTES, layer_index, vllm_engine
+from kvscale_plugin.demo.tinymodels import read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
 HERE = Path(__file__).parent

@@ -26,15 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvscale_plugin.hosts.vllm_probe import (
+from kvscale_plugin.demo.probe import (
     layer_index,
     layer_scales,
     reload_weights,
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 from kvscale_plugin.inspection import run_inspect as _run_inspect
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
 

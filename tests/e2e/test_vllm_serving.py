@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from _server import openai_server
 
-from kvscale_plugin.hosts.vllm_probe import teacher_forced_logprobs, vllm_engine
-from kvscale_plugin.tinymodels import reference_token_ids
+from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
+from kvscale_plugin.demo.tinymodels import reference_token_ids
 
 pytestmark = pytest.mark.engine
 

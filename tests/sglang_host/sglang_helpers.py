@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
 
 #: Distinct per-layer (k, v) scales, exact in float32, so equality checks are exact.
 SCALES = {0: (3.25, 2.5), 1: (4.75, 2.125)}
@@ -24,7 +24,7 @@ SCALES_C = {0: (2.125, 1.25), 1: (0.625, 0.375)}
 
 #: llm-compressor's other KV recipe: one scale per KV head, stored ``[num_kv_heads, 1, 1]``.
 ATTN_HEAD_SCHEME = {**FP8_KV_SCHEME, "strategy": "attn_head"}
-#: The tiny models' head counts (kvscale_plugin.tinymodels: 4 query heads, 2 KV heads).
+#: The tiny models' head counts (kvscale_plugin.demo.tinymodels: 4 query heads, 2 KV heads).
 NUM_HEADS, NUM_KV_HEADS = 4, 2
 #: Per-layer, per-head (k heads, v heads), every value distinct and exact in float32; the
 #: largest head differs between layers and between k and v, so a head or layer mix-up shows.

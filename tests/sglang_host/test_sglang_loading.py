@@ -21,8 +21,8 @@ from sglang_helpers import (  # noqa: E402
     resolve_kv_cache_dtype,
 )
 
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales  # noqa: E402
 from kvscale_plugin.scales import CorruptScaleError  # noqa: E402
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME, read_stored_scales  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("sglang_runtime")
 

@@ -20,8 +20,8 @@ from safetensors import safe_open
 from kvscale_plugin import calibrate as cal
 from kvscale_plugin.checkpoint import open_checkpoint
 from kvscale_plugin.cli import main as cli_main
+from kvscale_plugin.demo.tinymodels import CORPUS, FP8_KV_SCHEME
 from kvscale_plugin.inspection import inspect_checkpoint
-from kvscale_plugin.tinymodels import CORPUS, FP8_KV_SCHEME
 
 TEXTS = cal.builtin_corpus("calibration")[:3]
 

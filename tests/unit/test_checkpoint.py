@@ -17,7 +17,7 @@ from kvscale_plugin.checkpoint import (
     open_checkpoint,
     read_safetensors_header,
 )
-from kvscale_plugin.tinymodels import read_stored_scales
+from kvscale_plugin.demo.tinymodels import read_stored_scales
 
 SCALES = {0: (0.125, 0.25), 1: (0.5, 0.75)}
 

@@ -33,8 +33,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
 from kvscale_plugin.inspection import run_inspect
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME
 
 COUNTS: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()

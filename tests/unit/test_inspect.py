@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvscale_plugin import hookimpl
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales
 from kvscale_plugin.inspection import (
     SCHEMA_VERSION,
     inspect_checkpoint,
@@ -23,7 +24,6 @@ from kvscale_plugin.inspection import (
     run_inspect,
 )
 from kvscale_plugin.names import get_plugin_manager
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME, read_stored_scales
 
 SCALES = {0: (0.125, 0.25), 1: (0.5, 0.75), 2: (1.5, 2.5)}
 TOP_LEVEL_KEYS = {

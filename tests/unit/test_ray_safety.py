@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
 
 QUANT_CONFIG = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense",
                 "ignore": [], "kv_cache_scheme": dict(FP8_KV_SCHEME)}  # fmt: skip

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvscale_plugin.tinymodels import FP8_KV_SCHEME, REFERENCE_TEXT, TinySpec
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, REFERENCE_TEXT, TinySpec
 
 #: Built-in variants: name -> (what it shows, checkpoint spec).
 VARIANTS: dict[str, tuple[str, TinySpec]] = {
@@ -81,7 +81,7 @@ def default_cache_dir() -> Path:
 
 
 def _build_variants(cache: Path, log: Callable[[str], None]) -> dict[str, Path]:
-    from kvscale_plugin.tinymodels import build_tiny_checkpoint
+    from kvscale_plugin.demo.tinymodels import build_tiny_checkpoint
 
     dirs = {}
     for name, (_, spec) in VARIANTS.items():
@@ -103,7 +103,7 @@ def _run_engine(
     model_dir: Path, quantization: str | None, kv_cache_dtype: str, ids: Sequence[int],
     extra: dict[str, Any],
 ) -> tuple[list[float], dict[str, Any]]:
-    from kvscale_plugin.hosts.vllm_probe import (
+    from kvscale_plugin.demo.probe import (
         layer_index,
         layer_scales,
         teacher_forced_logprobs,
@@ -135,7 +135,7 @@ def run_comparison(
     extra: dict[str, Any] | None = None,
 ) -> list[EngineResult]:
     """Reference run on ``reference_dir`` (bf16 cache), then every variant x engine."""
-    from kvscale_plugin.hosts.vllm_probe import logprob_error
+    from kvscale_plugin.demo.probe import logprob_error
 
     extra = extra or {}
     ids = _token_ids(reference_dir)
@@ -354,9 +354,9 @@ def _output_scale_name(module: str, kind: str) -> str:
 def run_real(args: Any, log: Callable[[str], None]) -> list[EngineResult]:
     """SmolLM2 from PyPI: bf16 reference, stock FP8, kvscale (calibrated), output_scale."""
     from kvscale_plugin import calibrate as cal
-    from kvscale_plugin.hosts.vllm_probe import layer_index, layer_scales, vllm_engine
-    from kvscale_plugin.quality import compare, heldout_token_ids, teacher_forced
-    from kvscale_plugin.realmodel import smollm2_checkpoint
+    from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
+    from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
+    from kvscale_plugin.demo.realmodel import smollm2_checkpoint
 
     cache = (args.cache_dir or default_cache_dir()) / "real"
     model = smollm2_checkpoint(args.cache_dir / "models" if args.cache_dir else None, log=log)

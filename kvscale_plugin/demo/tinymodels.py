@@ -17,19 +17,7 @@ from typing import Any
 
 import torch
 
-#: What llm-compressor writes for an FP8 per-tensor static KV cache.
-FP8_KV_SCHEME: dict[str, Any] = {
-    "num_bits": 8,
-    "type": "float",
-    "strategy": "tensor",
-    "dynamic": False,
-    "symmetric": True,
-    "group_size": None,
-    "block_structure": None,
-    "actorder": None,
-    "observer": "minmax",
-    "observer_kwargs": {},
-}
+from kvscale_plugin.scheme import FP8_KV_SCHEME  # noqa: E402,F401 - re-exported for tests
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
