@@ -75,7 +75,7 @@ def test_demo_rejects_a_directory_without_config(tmp_path):
 
 
 def test_table_summarizes_many_layers_and_keeps_few():
-    from kvscale_plugin.demo import EngineResult, render_table
+    from kvscale_plugin.demo.runner import EngineResult, render_table
 
     many = [0.5 + 0.01 * i for i in range(30)]
     many[7], many[18] = 0.1, 2.0
