@@ -80,11 +80,14 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvscale-plugin" / "demo"
 
 
-def _build_variants(cache: Path, log: Callable[[str], None]) -> dict[str, Path]:
+def _build_variants(
+    cache: Path, log: Callable[[str], None], names: Sequence[str] | None = None
+) -> dict[str, Path]:
     from kvscale_plugin.demo.tinymodels import build_tiny_checkpoint
 
     dirs = {}
-    for name, (_, spec) in VARIANTS.items():
+    for name in names or list(VARIANTS):
+        _, spec = VARIANTS[name]
         target = cache / name
         if not (target / "kvscale_tiny.json").exists():
             log(f"building tiny checkpoint '{name}' in {target}")
@@ -280,6 +283,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--out", type=Path, default=Path("kvscale-demo.png"),
                         help="PNG to write (default ./kvscale-demo.png)")
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated built-in variants to run (default: all of "
+                        + ", ".join(VARIANTS) + ")")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's own logs")
 
 
@@ -311,10 +317,17 @@ def run(args: Any, *, out: Any = None) -> int:
             extra = {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.85,
                      "max_model_len": 2048}
     else:
+        names = [n for n in (getattr(args, "variants", None) or "").split(",") if n]
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            print(f"kvscale demo: unknown variant(s) {', '.join(unknown)}; choose from "
+                  f"{', '.join(VARIANTS)}", file=sys.stderr)
+            return 2
         cache = args.cache_dir or default_cache_dir()
         log(f"built-in tiny checkpoints (cached in {cache})")
-        variants = _build_variants(cache, log)
-        reference_dir = variants["per-tensor"]
+        variants = _build_variants(cache, log, names or None)
+        # Every variant has the same weights: any of them is the bf16 reference.
+        reference_dir = variants.get("per-tensor") or next(iter(variants.values()))
     results = run_comparison(variants, reference_dir, log, extra)
     return _report(results, args, out, log)
 
