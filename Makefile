@@ -44,6 +44,7 @@ $(TEST_RULES)/.installed: $(VENV)/.kvscale-installed tests/rule_package/pyprojec
 
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 format: venv
 	$(PY) -m ruff format .

@@ -136,9 +136,15 @@ def implementations(device: torch.device) -> tuple[dict[str, Callable[[Case], No
 
         def vllm_cuda(c: Case) -> None:
             ops.reshape_and_cache_flash(
-                c.key, c.value, c.key_cache, c.value_cache, c.slot_mapping, "fp8",
-                c.k_scale, c.v_scale,
-            )  # fmt: skip
+                c.key,
+                c.value,
+                c.key_cache,
+                c.value_cache,
+                c.slot_mapping,
+                "fp8",
+                c.k_scale,
+                c.v_scale,
+            )
 
         impls["vLLM CUDA reshape_and_cache_flash"] = vllm_cuda
     except (ImportError, AttributeError, RuntimeError) as exc:
@@ -147,9 +153,15 @@ def implementations(device: torch.device) -> tuple[dict[str, Callable[[Case], No
     def ours(conversion: str) -> Callable[[Case], None]:
         def run(c: Case) -> None:
             fp8_cache_write(
-                c.key, c.value, c.key_cache, c.value_cache, c.slot_mapping, c.k_scale,
-                c.v_scale, conversion=conversion,  # type: ignore[arg-type]
-            )  # fmt: skip
+                c.key,
+                c.value,
+                c.key_cache,
+                c.value_cache,
+                c.slot_mapping,
+                c.k_scale,
+                c.v_scale,
+                conversion=conversion,  # type: ignore[arg-type]
+            )
 
         return run
 
@@ -170,9 +182,15 @@ def implementations(device: torch.device) -> tuple[dict[str, Callable[[Case], No
 
         def vllm_triton(c: Case) -> None:
             triton_reshape_and_cache_flash(
-                c.key, c.value, c.key_cache, c.value_cache, c.slot_mapping, "fp8",
-                c.k_scale, c.v_scale,
-            )  # fmt: skip
+                c.key,
+                c.value,
+                c.key_cache,
+                c.value_cache,
+                c.slot_mapping,
+                "fp8",
+                c.k_scale,
+                c.v_scale,
+            )
 
         impls["vLLM triton_reshape_and_cache_flash"] = vllm_triton
     except (ImportError, RuntimeError) as exc:

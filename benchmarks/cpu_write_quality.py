@@ -147,17 +147,27 @@ def teacher_forced(llm: Any, chunks: Sequence[Sequence[int]]) -> list[float]:
     return result
 
 
-def run_engine(model_dir: Path, chunks, *, quantization: str | None, kv_cache_dtype: str,
-               write: str, max_model_len: int) -> list[float]:  # fmt: skip
+def run_engine(
+    model_dir: Path,
+    chunks,
+    *,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    write: str,
+    max_model_len: int,
+) -> list[float]:
     from kvscale_plugin.demo.probe import vllm_engine
 
     os.environ[ENV_VAR] = write
     try:
         with vllm_engine(
-            model_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=max_model_len,
+            model_dir,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            max_model_len=max_model_len,
             enable_prefix_caching=False,
-        ) as llm:  # fmt: skip
+        ) as llm:
             return teacher_forced(llm, chunks)
     finally:
         os.environ.pop(ENV_VAR, None)
@@ -178,8 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="use the tiny boosted test model")
     p.add_argument("--tokens", type=int, default=3000, help="evaluated tokens (default 3000)")
     p.add_argument("--chunk", type=int, default=1000, help="tokens per teacher-forced prompt")
-    p.add_argument("--work-dir", type=Path, default=None,
-                   help="derived checkpoints (default ~/.cache/kvscale-plugin/bench-cpu-write)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="derived checkpoints (default ~/.cache/kvscale-plugin/bench-cpu-write)",
+    )
     args = p.parse_args(argv)
 
     base_work = args.work_dir or Path.home() / ".cache" / "kvscale-plugin" / "bench-cpu-write"
@@ -190,12 +204,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     chunks = eval_token_chunks(model, args.tokens, args.chunk)
     n_tokens = sum(len(c) - 1 for c in chunks)
     max_len = max(len(c) for c in chunks) + 8
-    print(f"# {datetime.date.today()}  vLLM {vllm.__version__}  torch {torch.__version__}  "
-          f"model {model}")  # fmt: skip
+    print(
+        f"# {datetime.date.today()}  vLLM {vllm.__version__}  torch {torch.__version__}  "
+        f"model {model}"
+    )
     print(f"# {n_tokens} teacher-forced tokens of held-out text in {len(chunks)} prompts")
     t0 = time.perf_counter()
-    ref = run_engine(model, chunks, quantization=None, kv_cache_dtype="bfloat16", write="rne",
-                     max_model_len=max_len)  # fmt: skip
+    ref = run_engine(
+        model,
+        chunks,
+        quantization=None,
+        kv_cache_dtype="bfloat16",
+        write="rne",
+        max_model_len=max_len,
+    )
     ref_ppl = float(torch.tensor(ref).neg().mean().exp())
     rows = []
     for label, ckpt in variants.items():
@@ -212,14 +234,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append((label, lo, hi, res))
 
     print(f"\nbf16-cache reference perplexity {ref_ppl:.3f}\n")
-    head = (f"{'scales':<11} {'k/v scale range':<19} {'engine':<21} {'mean|dlp|':>10} "
-            f"{'max|dlp|':>9} {'ppl':>8}")  # fmt: skip
+    head = (
+        f"{'scales':<11} {'k/v scale range':<19} {'engine':<21} {'mean|dlp|':>10} "
+        f"{'max|dlp|':>9} {'ppl':>8}"
+    )
     print(head)
     print("-" * len(head))
     for label, lo, hi, res in rows:
         for name, r in res.items():
-            print(f"{label:<11} {lo:8.4g} - {hi:<8.4g} {name:<21} {r['mean']:10.4f} "
-                  f"{r['max']:9.3f} {r['ppl']:8.3f}")  # fmt: skip
+            print(
+                f"{label:<11} {lo:8.4g} - {hi:<8.4g} {name:<21} {r['mean']:10.4f} "
+                f"{r['max']:9.3f} {r['ppl']:8.3f}"
+            )
     print()
     ok = True
     for label, _, _, res in rows:
@@ -227,8 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         gain = 1 - ours / stock if stock else float("nan")
         same = res["kvscale, vLLM write"]["mean"] == stock
         ok &= gain >= 0.25
-        print(f"{label:<11} kvscale vs stock: {100 * gain:5.1f}% lower mean |dlogprob| "
-              f"(goal >= 25%); kvscale with vLLM's write == stock: {same}")  # fmt: skip
+        print(
+            f"{label:<11} kvscale vs stock: {100 * gain:5.1f}% lower mean |dlogprob| "
+            f"(goal >= 25%); kvscale with vLLM's write == stock: {same}"
+        )
     print(f"# {time.perf_counter() - t0:.0f} s")
     return 0 if ok else 1
 

@@ -60,8 +60,14 @@ def median_us(fn: Callable[[], None], reps: int) -> float:
 # 1. the write alone -----------------------------------------------------------------
 
 
-def write_alone(num_heads: int, head_size: int, block_size: int, num_layers: int,
-                sizes: Sequence[int], reps: int) -> dict[int, float]:  # fmt: skip
+def write_alone(
+    num_heads: int,
+    head_size: int,
+    block_size: int,
+    num_layers: int,
+    sizes: Sequence[int],
+    reps: int,
+) -> dict[int, float]:
     """Prints the table; returns tokens -> extra microseconds per call (kvscale - vLLM)."""
     from vllm import _custom_ops as ops
 
@@ -73,11 +79,15 @@ def write_alone(num_heads: int, head_size: int, block_size: int, num_layers: int
     key_cache, value_cache = cache.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, 2)
     views = cpu_cache_views(cache)
     k_scale, v_scale = 0.0351, 0.0127  # SmolLM2-like calibrated scales
-    print(f"\n## 1. the write alone: {num_heads} KV heads x head size {head_size}, block "
-          f"{block_size}, bf16 in; per decode step = x {num_layers} layers; "
-          f"torch threads {torch.get_num_threads()}")  # fmt: skip
-    head = (f"{'tokens':>6} {'write':<16} {'us/call':>9} {'ns/token':>9} {'us/step':>9} "
-            f"{'x vLLM':>7} {'bytes != contract':>18}")  # fmt: skip
+    print(
+        f"\n## 1. the write alone: {num_heads} KV heads x head size {head_size}, block "
+        f"{block_size}, bf16 in; per decode step = x {num_layers} layers; "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    head = (
+        f"{'tokens':>6} {'write':<16} {'us/call':>9} {'ns/token':>9} {'us/step':>9} "
+        f"{'x vLLM':>7} {'bytes != contract':>18}"
+    )
     print(head)
     print("-" * len(head))
     extra: dict[int, float] = {}
@@ -90,9 +100,16 @@ def write_alone(num_heads: int, head_size: int, block_size: int, num_layers: int
 
         def theirs(key=key, value=value, slots=slots) -> None:
             ops.cpu_attn_reshape_and_cache(
-                key, value, key_cache, value_cache, slots, "vec",
-                k_scale=k_scale, v_scale=v_scale, kv_cache_dtype="fp8",
-            )  # fmt: skip
+                key,
+                value,
+                key_cache,
+                value_cache,
+                slots,
+                "vec",
+                k_scale=k_scale,
+                v_scale=v_scale,
+                kv_cache_dtype="fp8",
+            )
 
         def ours(key=key, value=value, slots=slots) -> None:
             cpu_fp8_cache_write(key, value, cache, slots, k_scale, v_scale, "vec", views)
@@ -105,9 +122,11 @@ def write_alone(num_heads: int, head_size: int, block_size: int, num_layers: int
             results[name] = min(times)
             wrong = _bytes_off_contract(cache, key, value, slots, k_scale, v_scale)
             ratio = results[name] / results["vLLM (truncate)"]
-            print(f"{n:6d} {name:<16} {results[name]:9.1f} {1e3 * results[name] / n:9.0f} "
-                  f"{results[name] * num_layers if n <= 64 else float('nan'):9.0f} "
-                  f"{ratio:7.2f} {100 * wrong:17.2f}%")  # fmt: skip
+            print(
+                f"{n:6d} {name:<16} {results[name]:9.1f} {1e3 * results[name] / n:9.0f} "
+                f"{results[name] * num_layers if n <= 64 else float('nan'):9.0f} "
+                f"{ratio:7.2f} {100 * wrong:17.2f}%"
+            )
         extra[n] = results["kvscale (RNE)"] - results["vLLM (truncate)"]
     return extra
 
@@ -168,15 +187,20 @@ def _record(samples: dict[str, list[dict]], label: str, result: dict) -> None:
     print(f"#   {label:<20} " + "  ".join(f"{k} {v:.1f}" for k, v in result.items()), flush=True)
 
 
-def engines(model: Path, cfg: argparse.Namespace, extra_us: dict[int, float],
-            num_layers: int) -> None:  # fmt: skip
+def engines(
+    model: Path, cfg: argparse.Namespace, extra_us: dict[int, float], num_layers: int
+) -> None:
     from kvscale_plugin.demo.probe import attention_layers, vllm_engine
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = torch.Generator().manual_seed(1)
     samples: dict[str, list[dict]] = {"stock": [], "kvscale": [], "kvscale, vLLM write": []}
-    kw = dict(kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=cfg.max_model_len,
-              enable_prefix_caching=False, block_size=cfg.block_size)  # fmt: skip
+    kw = dict(
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        max_model_len=cfg.max_model_len,
+        enable_prefix_caching=False,
+        block_size=cfg.block_size,
+    )
     for rnd in range(cfg.rounds):
         order = ["stock", "kvscale"] if rnd % 2 == 0 else ["kvscale", "stock"]
         for engine in order:
@@ -186,10 +210,14 @@ def engines(model: Path, cfg: argparse.Namespace, extra_us: dict[int, float],
                 _timed_generate(llm, _prompts(rng, 2, 64, vocab), 4)  # warm-up
                 if rnd == 0:
                     layer = next(iter(attention_layers(llm).values()))
-                    cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else (
-                        layer.kv_cache)
-                    print(f"# {engine}: cache {tuple(cache.shape)} {cache.dtype}, "
-                          f"isa {getattr(layer, 'isa', None)}", flush=True)
+                    cache = (
+                        layer.kv_cache[0] if isinstance(layer.kv_cache, list) else (layer.kv_cache)
+                    )
+                    print(
+                        f"# {engine}: cache {tuple(cache.shape)} {cache.dtype}, "
+                        f"isa {getattr(layer, 'isa', None)}",
+                        flush=True,
+                    )
                 if engine == "stock":
                     for _ in range(cfg.reps):
                         _record(samples, "stock", measure(llm, rng, vocab, cfg))
@@ -205,24 +233,35 @@ def engines(model: Path, cfg: argparse.Namespace, extra_us: dict[int, float],
         print(f"# round {rnd + 1}/{cfg.rounds} done", flush=True)
 
     metrics = list(samples["stock"][0])
-    med = {e: {m: statistics.median(s[m] for s in runs) for m in metrics}
-           for e, runs in samples.items()}  # fmt: skip
-    print(f"\n## 2. engines: median tokens/s over {cfg.rounds} rounds x {cfg.reps} reps "
-          f"(prefill {cfg.prefill_prompts} x {cfg.prefill_len} tokens; decode "
-          f"{cfg.decode_tokens - 1} tokens after {cfg.decode_prompt_len}-token prompts)")
+    med = {
+        e: {m: statistics.median(s[m] for s in runs) for m in metrics}
+        for e, runs in samples.items()
+    }
+    print(
+        f"\n## 2. engines: median tokens/s over {cfg.rounds} rounds x {cfg.reps} reps "
+        f"(prefill {cfg.prefill_prompts} x {cfg.prefill_len} tokens; decode "
+        f"{cfg.decode_tokens - 1} tokens after {cfg.decode_prompt_len}-token prompts)"
+    )
     head = f"{'engine':<22}" + "".join(f"{m:>14}" for m in metrics)
     print(head)
     print("-" * len(head))
     for e in samples:
         print(f"{e:<22}" + "".join(f"{med[e][m]:14.1f}" for m in metrics))
-    print(f"{'kvscale / stock':<22}" + "".join(
-        f"{med['kvscale'][m] / med['stock'][m]:14.3f}" for m in metrics))
-    print(f"{'kvscale / vLLM write':<22}" + "".join(
-        f"{med['kvscale'][m] / med['kvscale, vLLM write'][m]:14.3f}" for m in metrics))
+    print(
+        f"{'kvscale / stock':<22}"
+        + "".join(f"{med['kvscale'][m] / med['stock'][m]:14.3f}" for m in metrics)
+    )
+    print(
+        f"{'kvscale / vLLM write':<22}"
+        + "".join(f"{med['kvscale'][m] / med['kvscale, vLLM write'][m]:14.3f}" for m in metrics)
+    )
     worst = min(med["kvscale"][m] / med["stock"][m] for m in metrics)
     print(f"\nworst kvscale / stock ratio: {worst:.3f} (goal >= 0.95)")
-    spread = {e: (min(s["decode b=1"] for s in runs), max(s["decode b=1"] for s in runs))
-              for e, runs in samples.items() if "decode b=1" in runs[0]}  # fmt: skip
+    spread = {
+        e: (min(s["decode b=1"] for s in runs), max(s["decode b=1"] for s in runs))
+        for e, runs in samples.items()
+        if "decode b=1" in runs[0]
+    }
     for e, (lo, hi) in spread.items():
         print(f"# spread of decode b=1 samples, {e}: {lo:.1f} .. {hi:.1f} tokens/s")
     if "decode b=1" in metrics and 1 in extra_us:
@@ -230,15 +269,21 @@ def engines(model: Path, cfg: argparse.Namespace, extra_us: dict[int, float],
         # stock decode step this run observed (the least disturbed one).
         step_ms = 1e3 / max(s["decode b=1"] for s in samples["stock"])
         added_ms = extra_us[1] * num_layers / 1e3
-        print(f"estimated decode b=1 ratio from the write's cost: fastest stock step "
-              f"{step_ms:.1f} ms, + {added_ms:.2f} ms ({num_layers} layers x "
-              f"{extra_us[1]:.1f} us) -> {step_ms / (step_ms + added_ms):.3f}")
+        print(
+            f"estimated decode b=1 ratio from the write's cost: fastest stock step "
+            f"{step_ms:.1f} ms, + {added_ms:.2f} ms ({num_layers} layers x "
+            f"{extra_us[1]:.1f} us) -> {step_ms / (step_ms + added_ms):.3f}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint dir (default: SmolLM2, calibrated copy)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint dir (default: SmolLM2, calibrated copy)",
+    )
     p.add_argument("--tiny", action="store_true", help="use the tiny boosted test model")
     p.add_argument("--smoke", action="store_true", help="tiny model, few repetitions")
     p.add_argument("--rounds", type=int, default=3)
@@ -249,9 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=65)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=None,
-                   help=f"engine block size (default: vLLM's; {DEFAULT_CPU_BLOCK_SIZE} "
-                        "for the write-alone part)")  # fmt: skip
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"engine block size (default: vLLM's; {DEFAULT_CPU_BLOCK_SIZE} "
+        "for the write-alone part)",
+    )
     p.add_argument("--write-reps", type=int, default=300)
     p.add_argument("--skip-engines", action="store_true")
     p.add_argument("--work-dir", type=Path, default=None)
@@ -277,8 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads = conf["num_key_value_heads"]
     head_size = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
     layers = conf["num_hidden_layers"]
-    print(f"# {datetime.date.today()}  vLLM {vllm.__version__}  torch {torch.__version__}  "
-          f"{os.cpu_count()} CPUs  model {model}")  # fmt: skip
+    print(
+        f"# {datetime.date.today()}  vLLM {vllm.__version__}  torch {torch.__version__}  "
+        f"{os.cpu_count()} CPUs  model {model}"
+    )
     block_size = cfg.block_size or DEFAULT_CPU_BLOCK_SIZE
     sizes = [1, 8, 64, 512, 2048] if not cfg.smoke else [1, 64]
     extra = write_alone(heads, head_size, block_size, layers, sizes, cfg.write_reps)

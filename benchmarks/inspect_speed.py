@@ -59,19 +59,21 @@ def build(out: Path, layers: int, shards: int, hidden: int, inter: int) -> Path:
     per_layer: list[dict[str, torch.Tensor]] = []
     for i in range(layers):
         p = f"model.layers.{i}."
-        per_layer.append({
-            p + "self_attn.q_proj.weight": rand(hidden, hidden),
-            p + "self_attn.k_proj.weight": rand(hidden, hidden),
-            p + "self_attn.v_proj.weight": rand(hidden, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, hidden),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-            p + "input_layernorm.weight": rand(hidden),
-            p + "post_attention_layernorm.weight": rand(hidden),
-            p + "self_attn.k_scale": torch.tensor([0.01 + i * 1e-4], dtype=torch.float32),
-            p + "self_attn.v_scale": torch.tensor([0.02 + i * 1e-4], dtype=torch.float32),
-        })  # fmt: skip
+        per_layer.append(
+            {
+                p + "self_attn.q_proj.weight": rand(hidden, hidden),
+                p + "self_attn.k_proj.weight": rand(hidden, hidden),
+                p + "self_attn.v_proj.weight": rand(hidden, hidden),
+                p + "self_attn.o_proj.weight": rand(hidden, hidden),
+                p + "mlp.gate_proj.weight": rand(inter, hidden),
+                p + "mlp.up_proj.weight": rand(inter, hidden),
+                p + "mlp.down_proj.weight": rand(hidden, inter),
+                p + "input_layernorm.weight": rand(hidden),
+                p + "post_attention_layernorm.weight": rand(hidden),
+                p + "self_attn.k_scale": torch.tensor([0.01 + i * 1e-4], dtype=torch.float32),
+                p + "self_attn.v_scale": torch.tensor([0.02 + i * 1e-4], dtype=torch.float32),
+            }
+        )
     extra = {
         "model.embed_tokens.weight": rand(VOCAB, hidden),
         "model.norm.weight": rand(hidden),
@@ -93,17 +95,30 @@ def build(out: Path, layers: int, shards: int, hidden: int, inter: int) -> Path:
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
     )
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": max(1, hidden // 64), "num_key_value_heads": max(1, hidden // 128),
-        "vocab_size": VOCAB, "torch_dtype": "bfloat16",
-        "quantization_config": {
-            "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-            "ignore": [], "quantization_status": "compressed",
-            "kv_cache_scheme": dict(FP8_KV_SCHEME),
-        },
-    }, indent=2))  # fmt: skip
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": max(1, hidden // 64),
+                "num_key_value_heads": max(1, hidden // 128),
+                "vocab_size": VOCAB,
+                "torch_dtype": "bfloat16",
+                "quantization_config": {
+                    "quant_method": "compressed-tensors",
+                    "format": "dense",
+                    "config_groups": {},
+                    "ignore": [],
+                    "quantization_status": "compressed",
+                    "kv_cache_scheme": dict(FP8_KV_SCHEME),
+                },
+            },
+            indent=2,
+        )
+    )
     return out
 
 
@@ -217,8 +232,10 @@ def main() -> None:
             f"kvscale inspect vs reading the files; median of {args.repeats}, page cache "
             "dropped before each run (cold-ish)"
         )
-        header = (f"{'checkpoint':<36}{'tensors':>8}{'MB':>9}{'inspect ms':>12}"
-                  f"{'(warm) ms':>11}{'read ms':>10}{'inspect/read':>14}")  # fmt: skip
+        header = (
+            f"{'checkpoint':<36}{'tensors':>8}{'MB':>9}{'inspect ms':>12}"
+            f"{'(warm) ms':>11}{'read ms':>10}{'inspect/read':>14}"
+        )
         print(header)
         print("-" * len(header))
         for label, _layers, ckpt in built:
@@ -245,8 +262,9 @@ def main() -> None:
             t0 = time.perf_counter()
             proc = subprocess.run(
                 [sys.executable, "-m", "kvscale_plugin.cli", "inspect", str(ckpt), "--json"],
-                capture_output=True, text=True,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+            )
             wall = time.perf_counter() - t0
             print(
                 f"whole CLI process on '{built[0][0]}' (Python start-up and imports "

@@ -37,7 +37,8 @@ def main() -> None:
         "attn_head": build_tiny_checkpoint(
             tmp / "attn_head",
             TinySpec(
-                num_layers=2, per_head=True,
+                num_layers=2,
+                per_head=True,
                 kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "attn_head"},
             ),
             cache_dir=tmp,
@@ -53,7 +54,9 @@ def main() -> None:
         tokens: dict[str, int] = {}
         for label, (quantization, dtype) in engines.items():
             with vllm_engine(
-                ckpt, quantization=quantization, kv_cache_dtype=dtype,
+                ckpt,
+                quantization=quantization,
+                kv_cache_dtype=dtype,
                 kv_cache_memory_bytes=args.kv_bytes,
             ) as llm:
                 cache = llm.llm_engine.vllm_config.cache_config
@@ -61,8 +64,15 @@ def main() -> None:
                 layer = next(iter(attention_layers(llm).values()))
                 pool = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
                 tokens[label + " dtype"] = str(pool.dtype).replace("torch.", "")
-            rows.append((scheme, label, tokens[label], tokens[label + " dtype"],
-                         tokens[label] / tokens["bf16 cache"]))
+            rows.append(
+                (
+                    scheme,
+                    label,
+                    tokens[label],
+                    tokens[label + " dtype"],
+                    tokens[label] / tokens["bf16 cache"],
+                )
+            )
     print(f"\nKV pool capacity with kv_cache_memory_bytes={args.kv_bytes:,}")
     print(f"{'scheme':<10} {'engine':<14} {'tokens':>9} {'pool dtype':>11} {'x bf16':>7}")
     for scheme, label, n, dtype, ratio in rows:

@@ -38,9 +38,15 @@ def main() -> None:
 
     def start(quantization: str | None) -> float:
         t0 = time.perf_counter()
-        llm = LLM(model=str(ckpt), quantization=quantization, enforce_eager=True,
-                  kv_cache_memory_bytes=KV_CACHE_BYTES, block_size=32, dtype="bfloat16",
-                  max_model_len=512)
+        llm = LLM(
+            model=str(ckpt),
+            quantization=quantization,
+            enforce_eager=True,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            block_size=32,
+            dtype="bfloat16",
+            max_model_len=512,
+        )
         elapsed = time.perf_counter() - t0
         shutdown(llm)
         return elapsed

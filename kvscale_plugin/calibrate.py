@@ -95,7 +95,7 @@ def read_samples(path: str | os.PathLike[str], max_len: int = 512) -> list[str]:
             text = row.get("text") if isinstance(row, dict) else row
             if not isinstance(text, str):
                 raise CalibrationError(
-                    f"{p}:{n}: expected a JSON string or an object with a \"text\" string"
+                    f'{p}:{n}: expected a JSON string or an object with a "text" string'
                 )
             if text.strip():
                 texts.append(text)
@@ -146,9 +146,14 @@ class _Observer:
 _ACTIVE: list[_Observer] = []
 
 
-def _observing_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                         value: torch.Tensor, attention_mask: torch.Tensor | None,
-                         **kwargs: Any) -> tuple[torch.Tensor, Any]:
+def _observing_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     # transformers calls the attention function with the keys *after* rotary embedding
     # (and after a k-norm where the model has one), and with the values, in the
     # [batch, kv_heads, seq, head_dim] layout before any repeat for GQA: exactly what a
@@ -223,8 +228,9 @@ def weights_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype:
     return _DTYPES[max(counts, key=counts.__getitem__)] if counts else torch.bfloat16
 
 
-def load_model(model_dir: str | os.PathLike[str], device: str = "cpu",
-               dtype: str | torch.dtype = "auto") -> tuple[Any, Any]:
+def load_model(
+    model_dir: str | os.PathLike[str], device: str = "cpu", dtype: str | torch.dtype = "auto"
+) -> tuple[Any, Any]:
     """(model, tokenizer) loaded with the observing attention function.
 
     ``dtype="auto"``: the dtype of the stored weights (see ``weights_dtype``).
@@ -244,7 +250,10 @@ def load_model(model_dir: str | os.PathLike[str], device: str = "cpu",
     transformers.logging.set_verbosity_error()  # old scale tensors are "unexpected keys"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+            str(model_dir),
+            config=config,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
         )
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -253,8 +262,15 @@ def load_model(model_dir: str | os.PathLike[str], device: str = "cpu",
     return model, tokenizer
 
 
-def observe(model: Any, tokenizer: Any, texts: Sequence[str], *, max_len: int = 512,
-            progress: bool = True, stream: TextIO | None = None) -> Observed:
+def observe(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    max_len: int = 512,
+    progress: bool = True,
+    stream: TextIO | None = None,
+) -> Observed:
     """Run ``texts`` one at a time (no padding, no KV cache) and record K/V abs maxima."""
     from tqdm import tqdm
 
@@ -265,11 +281,17 @@ def observe(model: Any, tokenizer: Any, texts: Sequence[str], *, max_len: int = 
     t_all = time.perf_counter()
     _ACTIVE.append(observer)
     try:
-        bar = tqdm(texts, desc="calibrating", unit="sample", disable=not progress,
-                   file=stream or sys.stderr)
+        bar = tqdm(
+            texts,
+            desc="calibrating",
+            unit="sample",
+            disable=not progress,
+            file=stream or sys.stderr,
+        )
         for text in bar:
-            ids = tokenizer(text, return_tensors="pt", truncation=True,
-                            max_length=max_len)["input_ids"].to(device)
+            ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_len)[
+                "input_ids"
+            ].to(device)
             if ids.shape[1] == 0:
                 continue
             t0 = time.perf_counter()
@@ -283,16 +305,22 @@ def observe(model: Any, tokenizer: Any, texts: Sequence[str], *, max_len: int = 
             "no attention layer reported its keys/values: this model's attention does not "
             "call transformers' attention interface (not supported by kvscale calibrate)"
         )
-    bad = [n for n in observer.k
-           if not (torch.isfinite(observer.k[n]).all() and torch.isfinite(observer.v[n]).all())]
+    bad = [
+        n
+        for n in observer.k
+        if not (torch.isfinite(observer.k[n]).all() and torch.isfinite(observer.v[n]).all())
+    ]
     if bad:
         raise CalibrationError(
             f"non-finite keys/values (NaN or inf) in {', '.join(sorted(bad))}: the model "
             "overflows in its dtype on this text; cannot calibrate"
         )
     return Observed(
-        k_amax=observer.k, v_amax=observer.v, num_samples=len(per_sample),
-        num_tokens=sum(t for t, _ in per_sample), seconds=time.perf_counter() - t_all,
+        k_amax=observer.k,
+        v_amax=observer.v,
+        num_samples=len(per_sample),
+        num_tokens=sum(t for t, _ in per_sample),
+        seconds=time.perf_counter() - t_all,
         per_sample=per_sample,
     )
 
@@ -310,12 +338,14 @@ def scale_from_amax(amax: torch.Tensor, scheme: str) -> torch.Tensor:
     raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
 
-def scales_from_observed(obs: Observed,
-                         scheme: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def scales_from_observed(
+    obs: Observed, scheme: str
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """attention module name -> (k_scale, v_scale) tensors."""
-    return {name: (scale_from_amax(obs.k_amax[name], scheme),
-                   scale_from_amax(obs.v_amax[name], scheme))
-            for name in _sorted_modules(obs.k_amax)}
+    return {
+        name: (scale_from_amax(obs.k_amax[name], scheme), scale_from_amax(obs.v_amax[name], scheme))
+        for name in _sorted_modules(obs.k_amax)
+    }
 
 
 def _layer_number(name: str) -> int:
@@ -385,8 +415,7 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise CalibrationError(f"{src}: not a checkpoint directory (no config.json)")
     if dst == src or src.is_relative_to(dst) or dst.is_relative_to(src):
         raise CalibrationError(
-            f"--out {dst} must be a directory outside {src} (the model directory is never "
-            "modified)"
+            f"--out {dst} must be a directory outside {src} (the model directory is never modified)"
         )
     if dst.exists() and not force:
         raise CalibrationError(f"{dst} already exists; pass --force to replace it")
@@ -398,10 +427,16 @@ def _default_scale_name(module: str, kind: str) -> str:
     return f"{module}.{kind}_scale"
 
 
-def write_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-                     scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scheme: str, *,
-                     force: bool = False, record: Mapping[str, Any] | None = None,
-                     scale_name: Callable[[str, str], str] = _default_scale_name) -> Path:
+def write_checkpoint(
+    model_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scheme: str,
+    *,
+    force: bool = False,
+    record: Mapping[str, Any] | None = None,
+    scale_name: Callable[[str, str], str] = _default_scale_name,
+) -> Path:
     """Write OUT_DIR = MODEL_DIR's files + KV scheme + scale tensors (see module doc).
 
     ``scales`` maps attention module names (``model.layers.N.self_attn``) to float32
@@ -434,8 +469,11 @@ def write_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     except CheckpointError as exc:
         raise CalibrationError(str(exc)) from exc
     new_qc = quantization_config_with_kv(config, scheme)
-    new_tensors = {scale_name(name, kind): t.contiguous()
-                   for name, (k, v) in scales.items() for kind, t in (("k", k), ("v", v))}
+    new_tensors = {
+        scale_name(name, kind): t.contiguous()
+        for name, (k, v) in scales.items()
+        for kind, t in (("k", k), ("v", v))
+    }
     has_index = (src / INDEX_NAME).is_file()
     weight_files = {f.resolve() for f in files}
 
@@ -470,9 +508,14 @@ def write_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLi
             shutil.copymode(path, target)
         if sharded or has_index:
             save_file(new_tensors, str(tmp / SCALES_SHARD), metadata={"format": "pt"})
-            index = json.loads((src / INDEX_NAME).read_text()) if has_index else {
-                "metadata": {}, "weight_map": {
-                    n: f.name for f in files for n in read_safetensors_header(f)[0]}}
+            index = (
+                json.loads((src / INDEX_NAME).read_text())
+                if has_index
+                else {
+                    "metadata": {},
+                    "weight_map": {n: f.name for f in files for n in read_safetensors_header(f)[0]},
+                }
+            )
             wm = {n: f for n, f in index["weight_map"].items() if n not in dropped}
             wm.update(dict.fromkeys(new_tensors, SCALES_SHARD))
             meta = dict(index.get("metadata") or {})
@@ -481,12 +524,23 @@ def write_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLi
                     t.numel() * t.element_size() for t in new_tensors.values()
                 ) - sum(dropped.values())
             (tmp / INDEX_NAME).write_text(
-                json.dumps({**index, "metadata": meta, "weight_map": wm}, indent=2) + "\n")
+                json.dumps({**index, "metadata": meta, "weight_map": wm}, indent=2) + "\n"
+            )
         new_config = {**config, "quantization_config": new_qc}
         (tmp / CONFIG_NAME).write_text(json.dumps(new_config, indent=2) + "\n")
-        (tmp / CALIBRATION_RECORD).write_text(json.dumps(
-            {**(record or {}), "scheme": scheme, "dropped_tensors": sorted(dropped),
-             "scale_floor": SCALE_FLOOR, "fp8_max": FP8_E4M3_MAX}, indent=2) + "\n")
+        (tmp / CALIBRATION_RECORD).write_text(
+            json.dumps(
+                {
+                    **(record or {}),
+                    "scheme": scheme,
+                    "dropped_tensors": sorted(dropped),
+                    "scale_floor": SCALE_FLOOR,
+                    "fp8_max": FP8_E4M3_MAX,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         if dst.exists():
             shutil.rmtree(dst)  # --force (checked above); hard links only lose a name
         tmp.rename(dst)
@@ -504,16 +558,19 @@ def read_scales(model_dir: str | os.PathLike[str]) -> dict[str, tuple[torch.Tens
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, info in ckpt.tensors.items():
         if name.endswith(".k_scale") and (v := ckpt.tensors.get(name[:-7] + "v_scale")):
-            out[name[: -len(".k_scale")]] = (ckpt.read_tensor(info).clone(),
-                                             ckpt.read_tensor(v).clone())
+            out[name[: -len(".k_scale")]] = (
+                ckpt.read_tensor(info).clone(),
+                ckpt.read_tensor(v).clone(),
+            )
     return {n: out[n] for n in _sorted_modules(out)}
 
 
 # --------------------------------------------------------------------------- report
 
 
-def render_summary(obs: Observed, scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-                   scheme: str) -> str:
+def render_summary(
+    obs: Observed, scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scheme: str
+) -> str:
     """Per-layer table: K/V abs maxima and the scales written (per-head: min..max)."""
 
     def fmt(t: torch.Tensor) -> str:
@@ -526,13 +583,17 @@ def render_summary(obs: Observed, scales: Mapping[str, tuple[torch.Tensor, torch
     lines = [head, "-" * len(head)]
     for name in _sorted_modules(scales):
         k, v = scales[name]
-        lines.append(f"{name:<32}{float(obs.k_amax[name].max()):>10.4g}"
-                     f"{float(obs.v_amax[name].max()):>10.4g}  {fmt(k):<20}{fmt(v):<20}")
+        lines.append(
+            f"{name:<32}{float(obs.k_amax[name].max()):>10.4g}"
+            f"{float(obs.v_amax[name].max()):>10.4g}  {fmt(k):<20}{fmt(v):<20}"
+        )
     k_all = torch.stack([obs.k_amax[n].max() for n in scales])
     v_all = torch.stack([obs.v_amax[n].max() for n in scales])
-    lines.append(f"K amax {float(k_all.min()):.4g}..{float(k_all.max()):.4g}, "
-                 f"V amax {float(v_all.min()):.4g}..{float(v_all.max()):.4g} over "
-                 f"{len(scales)} layers (FP8 e4m3 max is {FP8_E4M3_MAX:g}; scheme {scheme}).")
+    lines.append(
+        f"K amax {float(k_all.min()):.4g}..{float(k_all.max()):.4g}, "
+        f"V amax {float(v_all.min()):.4g}..{float(v_all.max()):.4g} over "
+        f"{len(scales)} layers (FP8 e4m3 max is {FP8_E4M3_MAX:g}; scheme {scheme})."
+    )
     return "\n".join(lines)
 
 
@@ -543,12 +604,21 @@ class CalibrationResult:
     scales: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def calibrate(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-              scheme: str = "tensor", texts: Sequence[str] | None = None,
-              samples_source: str = "built-in corpus (calibration split)",
-              num_samples: int | None = 32, max_len: int = 512, device: str = "cpu",
-              dtype: str = "auto", force: bool = False, progress: bool = True,
-              log: Callable[[str], None] | None = None) -> CalibrationResult:
+def calibrate(
+    model_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    scheme: str = "tensor",
+    texts: Sequence[str] | None = None,
+    samples_source: str = "built-in corpus (calibration split)",
+    num_samples: int | None = 32,
+    max_len: int = 512,
+    device: str = "cpu",
+    dtype: str = "auto",
+    force: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> CalibrationResult:
     """Observe K/V on ``texts`` (default: the built-in corpus) and write OUT_DIR."""
     if scheme not in SCHEMES:
         raise CalibrationError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
@@ -567,8 +637,11 @@ def calibrate(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
     obs = observe(model, tokenizer, texts, max_len=max_len, progress=progress)
     scales = scales_from_observed(obs, scheme)
     record = {
-        "samples": samples_source, "num_samples": obs.num_samples,
-        "num_tokens": obs.num_tokens, "max_len": max_len, "seconds": round(obs.seconds, 3),
+        "samples": samples_source,
+        "num_samples": obs.num_samples,
+        "num_tokens": obs.num_tokens,
+        "max_len": max_len,
+        "seconds": round(obs.seconds, 3),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "k_amax": {n: obs.k_amax[n].tolist() for n in scales},
         "v_amax": {n: obs.v_amax[n].tolist() for n in scales},
@@ -581,19 +654,33 @@ def calibrate(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
 def add_arguments(parser: Any) -> None:
     parser.add_argument("model_dir", help="checkpoint directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, type=Path, help="new checkpoint directory")
-    parser.add_argument("--scheme", choices=SCHEMES, default="tensor",
-                        help="one scale per layer (tensor, default) or per KV head (attn_head)")
-    parser.add_argument("--samples", type=Path, default=None,
-                        help="calibration text: .jsonl (\"text\" per line) or a text file "
-                        "(default: the built-in English corpus)")
-    parser.add_argument("--num-samples", type=int, default=32,
-                        help="use at most N samples (default 32; 0 = all)")
-    parser.add_argument("--max-len", type=int, default=512,
-                        help="truncate each sample to L tokens (default 512)")
+    parser.add_argument(
+        "--scheme",
+        choices=SCHEMES,
+        default="tensor",
+        help="one scale per layer (tensor, default) or per KV head (attn_head)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=Path,
+        default=None,
+        help='calibration text: .jsonl ("text" per line) or a text file '
+        "(default: the built-in English corpus)",
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=32, help="use at most N samples (default 32; 0 = all)"
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=512, help="truncate each sample to L tokens (default 512)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="compute dtype (default auto: the dtype of the stored weights; "
-                        "use the dtype you serve with)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="compute dtype (default auto: the dtype of the stored weights; "
+        "use the dtype you serve with)",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
@@ -612,11 +699,19 @@ def run(args: Any, *, out: TextIO | None = None) -> int:
             source = str(args.samples)
         else:
             texts, source = None, "built-in corpus (calibration split)"
-        result = calibrate(args.model_dir, args.out, scheme=args.scheme, texts=texts,
-                           samples_source=source, num_samples=args.num_samples,
-                           max_len=args.max_len, device=args.device, dtype=args.dtype,
-                           force=args.force,
-                           log=log)
+        result = calibrate(
+            args.model_dir,
+            args.out,
+            scheme=args.scheme,
+            texts=texts,
+            samples_source=source,
+            num_samples=args.num_samples,
+            max_len=args.max_len,
+            device=args.device,
+            dtype=args.dtype,
+            force=args.force,
+            log=log,
+        )
     except CalibrationError as exc:
         print(f"kvscale calibrate: {exc}", file=sys.stderr)
         return 2
@@ -624,8 +719,11 @@ def run(args: Any, *, out: TextIO | None = None) -> int:
     print("", file=out)
     print(render_summary(obs, result.scales, args.scheme), file=out)
     per = obs.seconds / max(obs.num_samples, 1)
-    print(f"\n{obs.num_samples} samples, {obs.num_tokens} tokens, {obs.seconds:.1f} s "
-          f"({per:.2f} s per sample)", file=out)
+    print(
+        f"\n{obs.num_samples} samples, {obs.num_tokens} tokens, {obs.seconds:.1f} s "
+        f"({per:.2f} s per sample)",
+        file=out,
+    )
     from kvscale_plugin.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(result.out_dir)

@@ -49,7 +49,9 @@ _RULES: list[tuple[re.Pattern[str], str]] = [
     ),
     # Symmetric schemes only: zero points are accepted (and dropped by the KV method).
     (
-        re.compile(rf"^(?P<base>.+\.{_ATTN})\.(?:{_PROJ}\.)?(?:attn\.)?(?P<kind>[qkv])_zero_point$"),
+        re.compile(
+            rf"^(?P<base>.+\.{_ATTN})\.(?:{_PROJ}\.)?(?:attn\.)?(?P<kind>[qkv])_zero_point$"
+        ),
         r"\g<base>.attn.\g<kind>_zero_point",
     ),
     (

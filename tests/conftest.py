@@ -19,8 +19,9 @@ import sys  # noqa: E402
 # The test-only third-party rule package (tests/rule_package), installed by `make test`
 # as a real distribution into build/test-rules -- a folder only the tests see, so its
 # entry points are discovered as a user's package would be without touching .venv.
-TEST_RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "build", "test-rules")
+TEST_RULES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "test-rules"
+)
 if os.path.isdir(TEST_RULES) and TEST_RULES not in sys.path:
     sys.path.insert(0, TEST_RULES)
 
@@ -32,13 +33,16 @@ collect_ignore = [] if _HAVE_SGLANG else ["sglang_host"]
 
 
 def pytest_report_header(config: object) -> list[str]:
-    where = TEST_RULES if os.path.isdir(TEST_RULES) else (
-        "MISSING (run `make test` or `make test-fast` to install it)"
+    where = (
+        TEST_RULES
+        if os.path.isdir(TEST_RULES)
+        else ("MISSING (run `make test` or `make test-fast` to install it)")
     )
     lines = [f"kvscale test rule package: {where}"]
     if not _HAVE_SGLANG:
-        lines.append("tests/sglang_host excluded: no SGLang here; `make test-sglang` runs it "
-                     "in .venv-sglang")
+        lines.append(
+            "tests/sglang_host excluded: no SGLang here; `make test-sglang` runs it in .venv-sglang"
+        )
     return lines
 
 

@@ -38,8 +38,9 @@ class Quality:
     top1_agreement: float
 
 
-def heldout_token_ids(model_dir: str | Path, *, max_tokens: int = 3000,
-                      max_len: int = 512) -> list[list[int]]:
+def heldout_token_ids(
+    model_dir: str | Path, *, max_tokens: int = 3000, max_len: int = 512
+) -> list[list[int]]:
     """Prompts of real English the scales were not fitted on: the built-in corpus'
     held-out split, one sample per prompt (truncated to ``max_len`` tokens), until
     ``max_tokens`` tokens."""

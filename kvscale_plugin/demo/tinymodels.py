@@ -144,16 +144,24 @@ def _hf_config(spec: TinySpec, vocab_size: int) -> Any:
         return transformers.Qwen3Config(**common)
     if spec.family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-            decoder_sparse_step=1, mlp_only_layers=[],
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
     if spec.family == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(f"unknown family {spec.family!r}; choose one of {', '.join(FAMILIES)}")
 
 
-def build_tiny_checkpoint(out_dir: str | os.PathLike[str], spec: TinySpec | None = None,
-                          *, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def build_tiny_checkpoint(
+    out_dir: str | os.PathLike[str],
+    spec: TinySpec | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
     """Write a tiny compressed-tensors checkpoint to ``out_dir`` and return its path.
 
     Also writes ``kvscale_tiny.json`` with the scales that were stored (per layer),
@@ -233,8 +241,15 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike[str], spec: TinySpec | None
     for f in tok_dir.iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     (out / "kvscale_tiny.json").write_text(
-        json.dumps({"naming": spec.naming, "family": spec.family, "stored_scales": stored,
-                    "calibrated_scales": {i: list(s) for i, s in scales.items()}}, indent=2)
+        json.dumps(
+            {
+                "naming": spec.naming,
+                "family": spec.family,
+                "stored_scales": stored,
+                "calibrated_scales": {i: list(s) for i, s in scales.items()},
+            },
+            indent=2,
+        )
     )
     return out
 
@@ -258,8 +273,11 @@ def _boost_heads(attn: Any, config: Any, head_boost: Sequence[float]) -> None:
         attn.v_proj.weight[kv_rows].mul_(factor)
         attn.q_proj.weight[q_rows].div_(factor)
         attn.o_proj.weight[:, q_rows].div_(factor)
-        for proj, rows, f in ((attn.k_proj, kv_rows, factor), (attn.v_proj, kv_rows, factor),
-                              (attn.q_proj, q_rows, 1.0 / factor)):
+        for proj, rows, f in (
+            (attn.k_proj, kv_rows, factor),
+            (attn.v_proj, kv_rows, factor),
+            (attn.q_proj, q_rows, 1.0 / factor),
+        ):
             if getattr(proj, "bias", None) is not None:
                 proj.bias[rows].mul_(f)
 
@@ -282,9 +300,7 @@ def _save_shards(out: Path, sd: dict[str, torch.Tensor], num_shards: int, save_f
     )
 
 
-def _calibrate(
-    model: Any, tokenizer: Any, *, per_head: bool = False
-) -> dict[int, tuple[Any, Any]]:
+def _calibrate(model: Any, tokenizer: Any, *, per_head: bool = False) -> dict[int, tuple[Any, Any]]:
     """Per-layer (or per-KV-head) amax/448 of K (after RoPE) and V over the corpus."""
     n_kv = model.config.num_key_value_heads
     amax: dict[int, list[torch.Tensor]] = {}
@@ -308,6 +324,7 @@ def _calibrate(
             model(ids)
     for h in hooks:
         h.remove()
+
     # RoPE rotates pairs of K elements: allow sqrt(2) headroom on K.
     def scale(t: torch.Tensor, headroom: float) -> Any:
         values = [round(float(x) * headroom / 448.0, 6) for x in t]

@@ -36,7 +36,12 @@ def import_adapter(host: str, found: str, tested: Collection[str], module: str) 
             "kvscale: %s %s is not a version this plugin was tested with (%s); it relies "
             "on %s internals that change between releases. If start-up fails, install a "
             "tested %s or a kvscale-plugin release for your %s.",
-            host, found, ", ".join(tested), host, host, host,
+            host,
+            found,
+            ", ".join(tested),
+            host,
+            host,
+            host,
         )
     try:
         return importlib.import_module(module)

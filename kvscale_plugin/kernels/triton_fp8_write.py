@@ -215,17 +215,47 @@ def _fp8_cache_write_kernel(
     mask = head_mask[:, None] & (dims < HEAD_SIZE)[None, :]
 
     _quantize_store(
-        key_ptr, key_stride_t, key_stride_h, key_stride_d,
-        key_cache_ptr, key_cache_stride_b, key_cache_stride_s, key_cache_stride_h,
-        key_cache_stride_d, k_scale_ptr, token, block, offset, heads, dims, head_mask, mask,
-        K_PER_HEAD, HARDWARE_CONVERT,
-    )  # fmt: skip
+        key_ptr,
+        key_stride_t,
+        key_stride_h,
+        key_stride_d,
+        key_cache_ptr,
+        key_cache_stride_b,
+        key_cache_stride_s,
+        key_cache_stride_h,
+        key_cache_stride_d,
+        k_scale_ptr,
+        token,
+        block,
+        offset,
+        heads,
+        dims,
+        head_mask,
+        mask,
+        K_PER_HEAD,
+        HARDWARE_CONVERT,
+    )
     _quantize_store(
-        value_ptr, value_stride_t, value_stride_h, value_stride_d,
-        value_cache_ptr, value_cache_stride_b, value_cache_stride_s, value_cache_stride_h,
-        value_cache_stride_d, v_scale_ptr, token, block, offset, heads, dims, head_mask, mask,
-        V_PER_HEAD, HARDWARE_CONVERT,
-    )  # fmt: skip
+        value_ptr,
+        value_stride_t,
+        value_stride_h,
+        value_stride_d,
+        value_cache_ptr,
+        value_cache_stride_b,
+        value_cache_stride_s,
+        value_cache_stride_h,
+        value_cache_stride_d,
+        v_scale_ptr,
+        token,
+        block,
+        offset,
+        heads,
+        dims,
+        head_mask,
+        mask,
+        V_PER_HEAD,
+        HARDWARE_CONVERT,
+    )
 
 
 @functools.cache

@@ -21,11 +21,20 @@ if __name__ == "__main__":
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     # "heads": every per-head value each rank holds, and the floats.
     per_head = len(sys.argv) > 4 and sys.argv[4] == "heads"
-    llm = LLM(model=model_dir, quantization="kvscale", enforce_eager=True,
-              kv_cache_memory_bytes=KV_CACHE_BYTES, block_size=32, dtype="bfloat16",
-              max_model_len=512, seed=0, tensor_parallel_size=tp)
+    llm = LLM(
+        model=model_dir,
+        quantization="kvscale",
+        enforce_eager=True,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        block_size=32,
+        dtype="bfloat16",
+        max_model_len=512,
+        seed=0,
+        tensor_parallel_size=tp,
+    )
     scales = llm.apply_model(model_kv_head_scales if per_head else model_kv_scales)
-    out = llm.generate([{"prompt_token_ids": ids}],
-                       SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
+    )
     tokens = list(out[0].outputs[0].token_ids)
     print("RESULT " + json.dumps({"scales": scales, "tokens": tokens}))

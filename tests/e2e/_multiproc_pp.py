@@ -27,19 +27,30 @@ if __name__ == "__main__":
     try:
         # PP on CPU needs the compiled path: in eager mode the CPU worker skips the warm-up
         # that allocates the inter-stage buffers and the first generate fails.
-        llm = LLM(model=model_dir, quantization="kvscale", enforce_eager=False,
-                  compilation_config={"mode": 2, "backend": "eager"},
-                  kv_cache_memory_bytes=KV_CACHE_BYTES, block_size=32, dtype="bfloat16",
-                  max_model_len=512, seed=0, **parallel)
+        llm = LLM(
+            model=model_dir,
+            quantization="kvscale",
+            enforce_eager=False,
+            compilation_config={"mode": 2, "backend": "eager"},
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            block_size=32,
+            dtype="bfloat16",
+            max_model_len=512,
+            seed=0,
+            **parallel,
+        )
     except Exception as exc:  # noqa: BLE001 - reported to the test as data
         traceback.print_exc()
-        print("ERROR " + json.dumps({"type": type(exc).__name__, "message": str(exc)}),
-              flush=True)
+        print("ERROR " + json.dumps({"type": type(exc).__name__, "message": str(exc)}), flush=True)
         sys.exit(3)
     scales = llm.apply_model(model_kv_scales)
-    out = llm.generate([{"prompt_token_ids": ids}],
-                       SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
-                       use_tqdm=False)
-    logprobs = [float(entry[tok].logprob)
-                for tok, entry in zip(ids[1:], out[0].prompt_logprobs[1:], strict=True)]
+    out = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+        use_tqdm=False,
+    )
+    logprobs = [
+        float(entry[tok].logprob)
+        for tok, entry in zip(ids[1:], out[0].prompt_logprobs[1:], strict=True)
+    ]
     print("RESULT " + json.dumps({"scales": scales, "logprobs": logprobs}), flush=True)

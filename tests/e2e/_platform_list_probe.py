@@ -27,8 +27,13 @@ if __name__ == "__main__":
         control_refused = False
     except ValueError:
         control_refused = True
-    print("RESULT " + json.dumps({
-        "accepted": accepted,
-        "control_refused": control_refused,
-        "listed": ListingCpuPlatform.supported_quantization,
-    }))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "accepted": accepted,
+                "control_refused": control_refused,
+                "listed": ListingCpuPlatform.supported_quantization,
+            }
+        )
+    )

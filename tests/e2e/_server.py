@@ -34,15 +34,17 @@ class Server:
     model: str
     log: Path
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = 60,
-             rank: int | None = None) -> dict[str, Any]:
+    def post(
+        self, path: str, body: dict[str, Any], timeout: float = 60, rank: int | None = None
+    ) -> dict[str, Any]:
         """POST JSON; ``rank`` pins the request to one data-parallel engine (vLLM's
         ``X-data-parallel-rank`` header)."""
         headers = {"Content-Type": "application/json"}
         if rank is not None:
             headers["X-data-parallel-rank"] = str(rank)
-        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
-                                     headers=headers)
+        req = urllib.request.Request(
+            f"{self.url}{path}", data=json.dumps(body).encode(), headers=headers
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
@@ -50,26 +52,58 @@ class Server:
         with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as r:
             return r.read().decode()
 
-    def prompt_logprobs(self, ids: Sequence[int], timeout: float = 60,
-                        rank: int | None = None) -> list[float]:
+    def prompt_logprobs(
+        self, ids: Sequence[int], timeout: float = 60, rank: int | None = None
+    ) -> list[float]:
         """Teacher-forced logprobs of ``ids`` (first token excluded) via ``prompt_logprobs``."""
-        answer = self.post("/v1/completions", {
-            "model": self.model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
-            "prompt_logprobs": 0,
-        }, timeout=timeout, rank=rank)  # fmt: skip
+        answer = self.post(
+            "/v1/completions",
+            {
+                "model": self.model,
+                "prompt": list(ids),
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0,
+            },
+            timeout=timeout,
+            rank=rank,
+        )
         entries = answer["choices"][0]["prompt_logprobs"]
         return [float(e[str(t)]["logprob"]) for t, e in zip(ids[1:], entries[1:], strict=True)]
 
 
 @contextmanager
-def openai_server(model_dir: Path, tmp_path: Path, extra: Sequence[str] = (),
-                  env: dict[str, str] | None = None, ready_s: float = 240) -> Iterator[Server]:
+def openai_server(
+    model_dir: Path,
+    tmp_path: Path,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    ready_s: float = 240,
+) -> Iterator[Server]:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--quantization", "kvscale", "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--block-size", "32", "--dtype", "bfloat16",
-        "--max-model-len", "512", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--seed", "0",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--quantization",
+        "kvscale",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--seed",
+        "0",
         *extra,
     ]
     full_env = dict(os.environ)

@@ -25,10 +25,12 @@ def models(tiny, tmp_path_factory) -> dict[str, Path]:
     plain = tiny("cal-e2e-plain", num_layers=3, write_scales=False)
     hand = tiny("cal-e2e-hand", num_layers=3)
     work = tmp_path_factory.mktemp("cal-e2e")
-    tensor = cal.calibrate(plain, work / "tensor", num_samples=8, max_len=128,
-                           progress=False).out_dir
-    head = cal.calibrate(plain, work / "head", scheme="attn_head", num_samples=8,
-                         max_len=128, progress=False).out_dir
+    tensor = cal.calibrate(
+        plain, work / "tensor", num_samples=8, max_len=128, progress=False
+    ).out_dir
+    head = cal.calibrate(
+        plain, work / "head", scheme="attn_head", num_samples=8, max_len=128, progress=False
+    ).out_dir
     return {"plain": plain, "hand": hand, "tensor": tensor, "head": head}
 
 
@@ -44,7 +46,8 @@ def reference(models, prompts):
 
 
 def test_calibrated_scales_serve_close_to_hand_picked_and_far_below_scale_one(
-        models, prompts, reference):
+    models, prompts, reference
+):
     written = cal.read_scales(models["tensor"])
     runs = {}
     for name in ("tensor", "hand", "plain"):  # plain: scheme declared, no scales -> 1.0
@@ -58,8 +61,10 @@ def test_calibrated_scales_serve_close_to_hand_picked_and_far_below_scale_one(
                 assert (s.k, s.v) == pytest.approx((float(k), float(v)), rel=1e-6)
                 assert s.k > 2.5  # amax ~1,400 / 448
     ours, hand, unit = runs["tensor"], runs["hand"], runs["plain"]
-    print(f"mean |dlogprob| over {ours.tokens} tokens: calibrated {ours.mean_abs_dlogprob:.4f}, "
-          f"hand-picked {hand.mean_abs_dlogprob:.4f}, scale 1.0 {unit.mean_abs_dlogprob:.4f}")
+    print(
+        f"mean |dlogprob| over {ours.tokens} tokens: calibrated {ours.mean_abs_dlogprob:.4f}, "
+        f"hand-picked {hand.mean_abs_dlogprob:.4f}, scale 1.0 {unit.mean_abs_dlogprob:.4f}"
+    )
     assert ours.mean_abs_dlogprob <= 1.5 * hand.mean_abs_dlogprob + 0.005
     assert ours.mean_abs_dlogprob * 3 < unit.mean_abs_dlogprob
     assert ours.top1_agreement >= unit.top1_agreement
@@ -74,8 +79,13 @@ def test_attn_head_output_loads_per_head(models, prompts, reference, quantizatio
     with vllm_engine(models["head"], quantization=quantization) as llm:
         layers = attention_layers(llm)
         quality = compare(teacher_forced(llm, prompts), reference)
-        held = {n: (m._k_scale.detach().float().cpu().reshape(-1),
-                    m._v_scale.detach().float().cpu().reshape(-1)) for n, m in layers.items()}
+        held = {
+            n: (
+                m._k_scale.detach().float().cpu().reshape(-1),
+                m._v_scale.detach().float().cpu().reshape(-1),
+            )
+            for n, m in layers.items()
+        }
     assert len(held) == 3
     for name, (k, v) in held.items():
         wk, wv = written[f"model.layers.{layer_index(name)}.self_attn"]

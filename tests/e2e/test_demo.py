@@ -18,9 +18,24 @@ def test_demo_table_shows_stock_vs_kvscale(tmp_path):
     out_png, out_json = tmp_path / "demo.png", tmp_path / "demo.json"
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "kvscale_plugin.cli", "demo", "--cache-dir", str(tmp_path / "c"),
-         "--out", str(out_png), "--json", str(out_json), "--variants", "kv_scale-only"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "kvscale_plugin.cli",
+            "demo",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--out",
+            str(out_png),
+            "--json",
+            str(out_json),
+            "--variants",
+            "kv_scale-only",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[1/3] bf16-cache reference: starting engine" in proc.stdout  # progress shown
@@ -36,15 +51,25 @@ def test_demo_table_shows_stock_vs_kvscale(tmp_path):
     assert ours["k_scales"] == ours["v_scales"] == pytest.approx(ks, rel=1e-6)
     assert ours["mean_err"] * 2 < stock["mean_err"] and ours["mean_err"] < 0.03
 
-    table = proc.stdout[proc.stdout.index("variant "):]
+    table = proc.stdout[proc.stdout.index("variant ") :]
     assert len([ln for ln in table.splitlines() if ln.startswith("kv_scale-only ")]) == 2
 
 
 def test_demo_rejects_an_unknown_variant(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvscale_plugin.cli", "demo", "--variants", "per-tensor,nope",
-         "--cache-dir", str(tmp_path / "c")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "kvscale_plugin.cli",
+            "demo",
+            "--variants",
+            "per-tensor,nope",
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and "unknown variant(s) nope" in proc.stderr
 
@@ -54,9 +79,22 @@ def test_demo_on_a_users_checkpoint(tiny, tmp_path):
     out_json = tmp_path / "mine.json"
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "kvscale_plugin.cli", "demo", "--model", str(ckpt),
-         "--out", str(tmp_path / "mine.png"), "--json", str(out_json)],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "kvscale_plugin.cli",
+            "demo",
+            "--model",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "mine.png"),
+            "--json",
+            str(out_json),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["engine"]: r for r in json.loads(out_json.read_text())}
@@ -68,7 +106,9 @@ def test_demo_on_a_users_checkpoint(tiny, tmp_path):
 def test_demo_rejects_a_directory_without_config(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvscale_plugin.cli", "demo", "--model", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "no config.json" in proc.stderr
 
@@ -79,10 +119,28 @@ def test_table_summarizes_many_layers_and_keeps_few():
     many = [0.5 + 0.01 * i for i in range(30)]
     many[7], many[18] = 0.1, 2.0
     rows = [
-        EngineResult("real", "kvscale", True, k_scales=many, v_scales=[1.0] * 30,
-                     cache_dtype="fp8", mean_err=0.09, max_err=1.1, ppl=19.6, top1=0.95),
-        EngineResult("few", "stock-fp8", True, k_scales=[3.86, 4.56], v_scales=[1.0, 1.0],
-                     cache_dtype="fp8", mean_err=0.08, max_err=0.2),
+        EngineResult(
+            "real",
+            "kvscale",
+            True,
+            k_scales=many,
+            v_scales=[1.0] * 30,
+            cache_dtype="fp8",
+            mean_err=0.09,
+            max_err=1.1,
+            ppl=19.6,
+            top1=0.95,
+        ),
+        EngineResult(
+            "few",
+            "stock-fp8",
+            True,
+            k_scales=[3.86, 4.56],
+            v_scales=[1.0, 1.0],
+            cache_dtype="fp8",
+            mean_err=0.08,
+            max_err=0.2,
+        ),
     ]
     table = render_table(rows)
     real = next(ln for ln in table.splitlines() if ln.startswith("real "))
@@ -102,21 +160,36 @@ def test_demo_real_pipeline(monkeypatch, tiny, tmp_path, capsys):
     from kvscale_plugin.demo import realmodel
     from kvscale_plugin.demo import runner as demo
 
-    plain = tiny("demo-real-plain", num_layers=3, kv_cache_scheme=None,
-                 quantization_config=False)
+    plain = tiny("demo-real-plain", num_layers=3, kv_cache_scheme=None, quantization_config=False)
     monkeypatch.setattr(realmodel, "smollm2_checkpoint", lambda cache_dir=None, log=None: plain)
     monkeypatch.setattr(demo, "REAL_CALIBRATION", {"num_samples": 4, "max_len": 128})
     out_json = tmp_path / "real.json"
-    rc = demo.main(["--real", "--tokens", "300", "--cache-dir", str(tmp_path / "c"),
-                    "--out", str(tmp_path / "real.png"), "--json", str(out_json)])
+    rc = demo.main(
+        [
+            "--real",
+            "--tokens",
+            "300",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--out",
+            str(tmp_path / "real.png"),
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     rows = {(r["variant"], r["engine"]): r for r in json.loads(out_json.read_text())}
-    assert list(rows) == [("no scales", "stock-fp8"), ("calibrated", "stock-fp8"),
-                          ("calibrated", "kvscale"), ("output_scale", "stock-fp8"),
-                          ("output_scale", "kvscale")]
-    written = json.loads((tmp_path / "c" / "real" / "calibrated" /
-                          "kvscale_calibration.json").read_text())
+    assert list(rows) == [
+        ("no scales", "stock-fp8"),
+        ("calibrated", "stock-fp8"),
+        ("calibrated", "kvscale"),
+        ("output_scale", "stock-fp8"),
+        ("output_scale", "kvscale"),
+    ]
+    written = json.loads(
+        (tmp_path / "c" / "real" / "calibrated" / "kvscale_calibration.json").read_text()
+    )
     k_amax = [max(v) for v in written["k_amax"].values()]
     calibrated = rows["calibrated", "kvscale"]
     assert calibrated["k_scales"] == pytest.approx([a / 448 for a in k_amax], rel=1e-6)

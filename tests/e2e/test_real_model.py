@@ -29,14 +29,14 @@ def _bf16_cache_maxima(model_dir: Path, texts: list[str]) -> tuple[dict, dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
         for text in texts:
-            ids = tok(text, return_tensors="pt", truncation=True,
-                      max_length=MAX_LEN)["input_ids"]
+            ids = tok(text, return_tensors="pt", truncation=True, max_length=MAX_LEN)["input_ids"]
             cache = model(input_ids=ids, use_cache=True).past_key_values
             for i, layer in enumerate(cache.layers):
                 km = layer.keys.abs().amax(dim=(0, 2, 3)).float()
@@ -53,15 +53,24 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="module")
 def calibrated(smollm2, tmp_path_factory) -> cal.CalibrationResult:
-    return cal.calibrate(smollm2, tmp_path_factory.mktemp("real") / "cal", texts=TEXTS,
-                         max_len=MAX_LEN, progress=False)
+    return cal.calibrate(
+        smollm2,
+        tmp_path_factory.mktemp("real") / "cal",
+        texts=TEXTS,
+        max_len=MAX_LEN,
+        progress=False,
+    )
 
 
 def test_smollm2_is_a_plain_bf16_llama(smollm2):
     cfg = json.loads((smollm2 / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg
-    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["head_dim"]) == (30, 9, 3, 64)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    ) == (30, 9, 3, 64)
 
 
 def test_recorded_maxima_equal_the_bf16_cache_for_every_layer(smollm2, calibrated):
@@ -78,11 +87,15 @@ def test_recorded_maxima_equal_the_bf16_cache_for_every_layer(smollm2, calibrate
 
 
 def test_served_calibrated_scales_keep_quality_and_clipping_breaks_it(
-        smollm2, calibrated, tmp_path):
+    smollm2, calibrated, tmp_path
+):
     scales = calibrated.scales
-    clipped = cal.write_checkpoint(smollm2, tmp_path / "clipped",
-                                   {n: (k / 16, v / 16) for n, (k, v) in scales.items()},
-                                   "tensor")
+    clipped = cal.write_checkpoint(
+        smollm2,
+        tmp_path / "clipped",
+        {n: (k / 16, v / 16) for n, (k, v) in scales.items()},
+        "tensor",
+    )
     prompts = heldout_token_ids(smollm2, max_tokens=600, max_len=150)
     kw = dict(max_model_len=256)
     with vllm_engine(smollm2, kv_cache_dtype="bfloat16", **kw) as llm:
@@ -96,9 +109,11 @@ def test_served_calibrated_scales_keep_quality_and_clipping_breaks_it(
     for s in held.values():
         k, v = scales[f"model.layers.{layer_index(s.name)}.self_attn"]
         assert (s.k, s.v) == pytest.approx((float(k), float(v)), rel=1e-6)
-    print(f"SmolLM2, {ours.tokens} tokens: calibrated mean|dlp| {ours.mean_abs_dlogprob:.3f} "
-          f"top-1 {ours.top1_agreement:.1%}; clipped {clip.mean_abs_dlogprob:.3f} "
-          f"top-1 {clip.top1_agreement:.1%}")
+    print(
+        f"SmolLM2, {ours.tokens} tokens: calibrated mean|dlp| {ours.mean_abs_dlogprob:.3f} "
+        f"top-1 {ours.top1_agreement:.1%}; clipped {clip.mean_abs_dlogprob:.3f} "
+        f"top-1 {clip.top1_agreement:.1%}"
+    )
     # Measured at 3,000 tokens: ~0.09-0.19 calibrated (depending on the cache write
     # rounding), ~6.4 clipped.
     assert ours.mean_abs_dlogprob < 0.3 and ours.top1_agreement > 0.85

@@ -89,9 +89,26 @@ def assert_same_fp8(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 def special_values(scale: float) -> torch.Tensor:
     """NaN, +-inf, beyond +-448, e4m3 subnormals, exact ties, +-0 (times the scale)."""
-    vals = [0.0, float("nan"), float("inf"), 448.0, 449.0, 480.0, 1000.0, 1e6,
-            1.0625, 1.1875, 17.0, 19.0, 2.0 ** -9 * 1.5, 2.0 ** -9 * 0.5,  # ties
-            2.0 ** -9, 2.0 ** -8 * 3, 2.0 ** -7 * 0.875, 2.0 ** -10]  # fmt: skip
+    vals = [
+        0.0,
+        float("nan"),
+        float("inf"),
+        448.0,
+        449.0,
+        480.0,
+        1000.0,
+        1e6,
+        1.0625,
+        1.1875,
+        17.0,
+        19.0,
+        2.0**-9 * 1.5,
+        2.0**-9 * 0.5,  # ties
+        2.0**-9,
+        2.0**-8 * 3,
+        2.0**-7 * 0.875,
+        2.0**-10,
+    ]
     return (torch.tensor(vals + [-v for v in vals], dtype=torch.float64) * scale).float()
 
 
@@ -115,10 +132,16 @@ def vllm_op_write(cache, key, value, slots, layer) -> None:
     nb, nh, bs, _ = cache.shape
     key_cache, value_cache = cache.view(nb, nh, 2 * bs, -1).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, slots, layer.isa,
-        k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slots,
+        layer.isa,
+        k_scale=layer._k_scale_float,
+        v_scale=layer._v_scale_float,
         kv_cache_dtype=layer.impl.kv_cache_dtype,
-    )  # fmt: skip
+    )
 
 
 def route(layer) -> dict:
@@ -180,9 +203,12 @@ ENGINES = [
 
 @pytest.mark.parametrize(("dtype", "head_dim", "block_size"), ENGINES)
 def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size):
-    with write_mode(None), vllm_engine(
-        checkpoint(head_dim), quantization="kvscale", dtype=dtype, block_size=block_size
-    ) as llm:
+    with (
+        write_mode(None),
+        vllm_engine(
+            checkpoint(head_dim), quantization="kvscale", dtype=dtype, block_size=block_size
+        ) as llm,
+    ):
         warm(llm)
         layers = attention_layers(llm)
         for index, (name, layer) in enumerate(layers.items()):
@@ -202,8 +228,9 @@ def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size)
                     layer._k_scale_float, layer._v_scale_float = scales
                 try:
                     ks, vs = layer._k_scale_float, layer._v_scale_float
-                    key, value = crafted_kv(n, num_heads, head_dim, DTYPES[dtype], ks,
-                                            specials=specials)  # fmt: skip
+                    key, value = crafted_kv(
+                        n, num_heads, head_dim, DTYPES[dtype], ks, specials=specials
+                    )
                     slots = torch.randperm(num_blocks * bs, generator=g)[:n]
                     slots[1::4] = -1  # padding
                     expected = expected_cache(cache, key, value, slots, ks, vs)
@@ -211,8 +238,10 @@ def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size)
                     assert_same_fp8(cache, expected)
                 finally:
                     layer._k_scale_float, layer._v_scale_float = saved
-                print(f"{dtype} hs={head_dim} bs={block_size} {name} {case}: "
-                      f"{cache.numel()} cache bytes equal the contract")  # fmt: skip
+                print(
+                    f"{dtype} hs={head_dim} bs={block_size} {name} {case}: "
+                    f"{cache.numel()} cache bytes equal the contract"
+                )
 
 
 # A real generate: chunked prefill, decode, prefix caching --------------------------
@@ -237,19 +266,29 @@ def test_generate_stores_contract_bytes(checkpoint):
                 return
             n = slots.shape[0]
             hs, nh = module.impl.head_size, module.impl.num_kv_heads
-            writes.setdefault(name, []).append((
-                key[:n].reshape(n, nh, hs).clone(), value[:n].reshape(n, nh, hs).clone(),
-                slots.clone(),
-            ))  # fmt: skip
+            writes.setdefault(name, []).append(
+                (
+                    key[:n].reshape(n, nh, hs).clone(),
+                    value[:n].reshape(n, nh, hs).clone(),
+                    slots.clone(),
+                )
+            )
             if name.endswith("layers.0.self_attn.attn"):
                 step_sizes.append(n)
 
         return hook
 
-    with write_mode(None), vllm_engine(
-        model, quantization="kvscale", enable_prefix_caching=True,
-        enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4,
-    ) as llm:  # fmt: skip
+    with (
+        write_mode(None),
+        vllm_engine(
+            model,
+            quantization="kvscale",
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+        ) as llm,
+    ):
         layers = attention_layers(llm)
         handles = [
             layer.register_forward_pre_hook(capture(name), with_kwargs=True)
@@ -258,8 +297,9 @@ def test_generate_stores_contract_bytes(checkpoint):
         try:
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
             first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
-            rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
-                                use_tqdm=False)  # fmt: skip
+            rest = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False
+            )
         finally:
             for h in handles:
                 h.remove()
@@ -282,8 +322,10 @@ def test_generate_stores_contract_bytes(checkpoint):
         len(o.outputs[0].token_ids) == 12 for o in rest
     )
     total_prompt = sum(len(p) for p in prompts)
-    print(f"steps (tokens per step, layer 0): {step_sizes}; prefix-cached tokens: {cached}; "
-          f"slots checked over all layers: {checked}")  # fmt: skip
+    print(
+        f"steps (tokens per step, layer 0): {step_sizes}; prefix-cached tokens: {cached}; "
+        f"slots checked over all layers: {checked}"
+    )
     assert cached >= 64  # the later prompts reused the shared prefix's blocks
     assert max(step_sizes) <= 64 and any(1 < n < 64 for n in step_sizes)  # chunked prefill
     assert step_sizes.count(1) >= 10 and 2 in step_sizes  # decode, alone and batched
@@ -316,9 +358,10 @@ def test_stock_fp8_layers_keep_vllms_write(checkpoint):
 
 
 def test_kvscale_bf16_cache_keeps_vllms_write(checkpoint):
-    with write_mode(None), vllm_engine(
-        checkpoint(64), quantization="kvscale", kv_cache_dtype="bfloat16"
-    ) as llm:
+    with (
+        write_mode(None),
+        vllm_engine(checkpoint(64), quantization="kvscale", kv_cache_dtype="bfloat16") as llm,
+    ):
         warm(llm)
         layers = attention_layers(llm).values()
         assert all(layer_cache(layer).dtype == torch.bfloat16 for layer in layers)
@@ -408,11 +451,20 @@ def test_engine_core_process_uses_the_rne_write(checkpoint, tmp_path):
     point, and its layers write through kvscale's CPU write."""
     script = tmp_path / "engine.py"
     script.write_text(_MULTIPROC)
-    env = dict(os.environ, TMPDIR=str(tmp_path), VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        TMPDIR=str(tmp_path),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    )
     env.pop(vllm_cpu_write.ENV_VAR, None)
-    proc = subprocess.run([sys.executable, str(script), str(checkpoint(64))], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(checkpoint(64))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     routes = json.loads(lines[-1][len("RESULT ") :])

@@ -73,8 +73,10 @@ def test_per_layer_scales_loaded_and_used(calibrated, bf16_reference, tiny):
 
     ours_mean, ours_max = logprob_error(ours, reference)
     one_mean, one_max = logprob_error(at_one, reference)
-    print(f"mean|dlogprob| kvscale={ours_mean:.4f} (max {ours_max:.3f}) "
-          f"scale-1.0={one_mean:.4f} (max {one_max:.3f})")
+    print(
+        f"mean|dlogprob| kvscale={ours_mean:.4f} (max {ours_max:.3f}) "
+        f"scale-1.0={one_mean:.4f} (max {one_max:.3f})"
+    )
     assert ours_mean < 0.03
     assert ours_mean * 2.5 < one_mean
 
@@ -173,10 +175,8 @@ def test_no_scheme_is_unchanged(tiny):
     with vllm_engine(ckpt, quantization="kvscale") as llm:
         ours = layer_scales(llm)
         ours_lp = teacher_forced_logprobs(llm, ids)
-        ours_params = {
-            n for n, _ in llm.llm_engine.model_executor.driver_worker.worker.model_runner
-            .model.named_parameters() if n.endswith("_scale")
-        }
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        ours_params = {n for n, _ in model.named_parameters() if n.endswith("_scale")}
     with vllm_engine(ckpt) as llm:
         stock = layer_scales(llm)
         stock_lp = teacher_forced_logprobs(llm, ids)

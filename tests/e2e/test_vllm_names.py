@@ -29,10 +29,12 @@ def test_naming_zoo_per_family(tiny, family):
     # Layer i uses naming ZOO[i]: every convention in one engine per family.
     zero_points = {
         f"model.layers.{i}.self_attn.{kind}_zero_point": torch.zeros(1)
-        for i in range(len(ZOO)) for kind in "kv"
+        for i in range(len(ZOO))
+        for kind in "kv"
     }
-    ckpt = tiny(f"zoo-{family}", family=family, num_layers=len(ZOO), naming=ZOO,
-                extra_tensors=zero_points)
+    ckpt = tiny(
+        f"zoo-{family}", family=family, num_layers=len(ZOO), naming=ZOO, extra_tensors=zero_points
+    )
     with vllm_engine(ckpt, quantization="kvscale") as llm:
         _assert_loaded(ckpt, layer_scales(llm))
 

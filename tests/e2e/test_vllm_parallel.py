@@ -35,13 +35,22 @@ def _run_multiproc(ckpt: Path, ids: list[int], mode: str, size: int, tmp_path: P
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # one NUMA node: workers share it
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_multiproc_pp.py"), str(ckpt), json.dumps(ids), mode,
-         str(size)],
-        env=env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            str(HERE / "_multiproc_pp.py"),
+            str(ckpt),
+            json.dumps(ids),
+            mode,
+            str(size),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_pipeline_parallel_ranks_hold_their_layers_scales(tiny, tmp_path):
@@ -68,9 +77,11 @@ def test_pipeline_parallel_ranks_hold_their_layers_scales(tiny, tmp_path):
     pp_mean, pp_max = logprob_error(result["logprobs"], reference)
     tp_mean, tp_max = logprob_error(tp1, reference)
     same_mean, same_max = logprob_error(result["logprobs"], tp1)
-    print(f"PP=2 ranks hold layers {held}; mean|dlogprob| vs bf16 cache: PP=2 {pp_mean:.4f} "
-          f"(max {pp_max:.3f}), TP=1 {tp_mean:.4f} (max {tp_max:.3f}); PP=2 vs TP=1 "
-          f"{same_mean:.2e} (max {same_max:.2e})")
+    print(
+        f"PP=2 ranks hold layers {held}; mean|dlogprob| vs bf16 cache: PP=2 {pp_mean:.4f} "
+        f"(max {pp_max:.3f}), TP=1 {tp_mean:.4f} (max {tp_max:.3f}); PP=2 vs TP=1 "
+        f"{same_mean:.2e} (max {same_max:.2e})"
+    )
     assert pp_mean < 0.03
     assert pp_mean <= tp_mean + 0.005 and same_max < 0.05
 

@@ -49,8 +49,10 @@ def test_perf_metrics_know_the_method(tiny):
     with vllm_engine(tiny("default", num_layers=2), quantization="kvscale") as llm:
         config = llm.llm_engine.vllm_config
         assert config.quant_config.get_name() == "kvscale"
-        for parser in (perf.AttentionQuantizationConfigParser(),
-                       perf.FfnQuantizationConfigParser()):
+        for parser in (
+            perf.AttentionQuantizationConfigParser(),
+            perf.FfnQuantizationConfigParser(),
+        ):
             args = parser.parse(perf.ParsedArgs(), config)  # stock raises InvalidComponent
             assert args.weight_byte_size == perf._QUANT_WEIGHT_BYTE_SIZE["compressed-tensors"]
 
@@ -83,13 +85,14 @@ def test_no_scheme_explicit_fp8_uses_checkpoint_scales_like_stock(tiny):
         for i in range(2)
         for kind, value in (("k", 3.25 + i), ("v", 2.5 + i))
     }
-    ckpt = tiny("no-scheme-with-scales", num_layers=2, kv_cache_scheme=None,
-                extra_tensors=scales)
+    ckpt = tiny("no-scheme-with-scales", num_layers=2, kv_cache_scheme=None, extra_tensors=scales)
     seen = {}
     for quant in (None, "kvscale"):
         with vllm_engine(ckpt, quantization=quant, kv_cache_dtype="fp8") as llm:
-            seen[quant] = {n: (s.k, s.v, s.k_float, s.v_float, s.pool_is_fp8)
-                           for n, s in layer_scales(llm).items()}
+            seen[quant] = {
+                n: (s.k, s.v, s.k_float, s.v_float, s.pool_is_fp8)
+                for n, s in layer_scales(llm).items()
+            }
     assert seen[None] == seen["kvscale"]
     assert seen["kvscale"]["model.layers.1.self_attn.attn"] == (4.25, 3.5, 4.25, 3.5, True)
     # Under auto, no scheme still means no scale parameters and a bf16 pool.
@@ -104,8 +107,7 @@ def test_each_engine_in_a_process_hears_its_own_warnings(tiny, caplog):
     for _ in range(2):  # no reset_warnings() in between: a notebook / RL trainer
         with vllm_engine(ckpt, quantization="kvscale"):
             pass
-        counts.append(sum("no k_scale/v_scale tensors" in r.getMessage()
-                          for r in caplog.records))
+        counts.append(sum("no k_scale/v_scale tensors" in r.getMessage() for r in caplog.records))
     assert counts == [1, 2]
 
 
@@ -121,11 +123,14 @@ def test_platform_with_a_quantization_list_accepts_kvscale(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "_platform_list_probe.py")],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert result == {
         "accepted": True,
         "control_refused": True,

@@ -85,7 +85,10 @@ def test_per_head_scales_load_per_head_with_an_fp8_pool(per_head, reference, tin
         stock_lp = teacher_forced_logprobs(llm, ids)
     for name, s in stock.items():
         assert (s.k_heads, s.v_heads, s.k_float, s.v_float) == (
-            ours[name].k_heads, ours[name].v_heads, ours[name].k_float, ours[name].v_float
+            ours[name].k_heads,
+            ours[name].v_heads,
+            ours[name].k_float,
+            ours[name].v_float,
         )
     assert ours_lp == stock_lp
 
@@ -159,22 +162,35 @@ def test_reload_dummy_then_real_then_new_per_head_scales(tiny, per_head):
 def test_tensor_parallel_ranks_hold_their_heads(tiny, tmp_path, num_kv_heads):
     boost = HEAD_BOOST[:num_kv_heads]
     ckpt = per_head_ckpt(
-        tiny, f"per-head-tp-{num_kv_heads}", num_layers=2, num_kv_heads=num_kv_heads,
+        tiny,
+        f"per-head-tp-{num_kv_heads}",
+        num_layers=2,
+        num_kv_heads=num_kv_heads,
         head_boost=boost,
     )
     ids = list(reference_token_ids(ckpt))[:24]
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env = {
+        k: v for k, v in __import__("os").environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
+    }
     env["TMPDIR"] = str(tmp_path)
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # one NUMA node here: share it
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_multiproc_engine.py"), str(ckpt), json.dumps(ids), "2",
-         "heads"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(HERE / "_multiproc_engine.py"),
+            str(ckpt),
+            json.dumps(ids),
+            "2",
+            "heads",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    ranks = json.loads(lines[-1][len("RESULT "):])["scales"]
+    ranks = json.loads(lines[-1][len("RESULT ") :])["scales"]
     assert len(ranks) == 2
     stored = read_stored_scales(ckpt)
     for rank, scales in enumerate(ranks):

@@ -41,8 +41,11 @@ def _greedy_tokens_in_process(model_dir: Path, ids: list[int]) -> list[int]:
     from vllm import SamplingParams
 
     with vllm_engine(model_dir, quantization="kvscale") as llm:
-        out = llm.generate([{"prompt_token_ids": ids}],
-                           SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        out = llm.generate(
+            [{"prompt_token_ids": ids}],
+            SamplingParams(max_tokens=8, temperature=0.0),
+            use_tqdm=False,
+        )
         return list(out[0].outputs[0].token_ids)
 
 
@@ -54,13 +57,15 @@ def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
     # One NUMA node here: let the CPU workers share it (docs/running-engines-on-cpu.md).
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_multiproc_engine.py"), str(ckpt), json.dumps(ids),
-         str(tp)],
-        env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(HERE / "_multiproc_engine.py"), str(ckpt), json.dumps(ids), str(tp)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert len(result["scales"]) == tp  # one answer per worker (TP rank)
     stored = read_stored_scales(ckpt)
     for scales in result["scales"]:
@@ -86,10 +91,28 @@ def test_openai_server_answers_like_in_process_engine(tiny, tmp_path):
     ids = list(reference_token_ids(ckpt))[:24]
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
-        "--quantization", "kvscale", "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--block-size", "32", "--dtype", "bfloat16",
-        "--max-model-len", "512", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--seed", "0",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(ckpt),
+        "--quantization",
+        "kvscale",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--seed",
+        "0",
     ]
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(cmd, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
@@ -104,10 +127,20 @@ def test_openai_server_answers_like_in_process_engine(tiny, tmp_path):
                         break
             except OSError:
                 time.sleep(1)
-        body = json.dumps({"model": str(ckpt), "prompt": ids, "max_tokens": 8,
-                           "temperature": 0.0, "return_token_ids": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": str(ckpt),
+                "prompt": ids,
+                "max_tokens": 8,
+                "temperature": 0.0,
+                "return_token_ids": True,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
     finally:

@@ -98,13 +98,21 @@ def test_corrupt_values_of_every_dtype_named_in_one_error(tiny):
 def test_per_head_nan_head_and_wrong_length_named(tiny):
     scales = {0: ([3.0, math.nan], [2.0, 2.5]), 1: ([3.0, 4.0], [2.0, 2.5])}
     wrong = {"model.layers.1.self_attn.v_scale": torch.full((3, 1, 1), 2.0)}
-    ckpt = tiny("fuzz-worst-heads", num_layers=2, per_head=True, kv_cache_scheme=PER_HEAD,
-                scales=scales, extra_tensors=wrong)
+    ckpt = tiny(
+        "fuzz-worst-heads",
+        num_layers=2,
+        per_head=True,
+        kv_cache_scheme=PER_HEAD,
+        scales=scales,
+        extra_tensors=wrong,
+    )
     assert run_inspect(str(ckpt)) == 1
     text = _engine_error(ckpt)
     assert "model.layers.0.self_attn.attn.k_scale[head 1]: NaN" in text, text
-    assert "model.layers.1.self_attn.attn.v_scale: shape (3, 1, 1) does not match the " \
-           "model's 2 KV heads" in text, text
+    assert (
+        "model.layers.1.self_attn.attn.v_scale: shape (3, 1, 1) does not match the "
+        "model's 2 KV heads" in text
+    ), text
     assert "k_scale[head 0]" not in text
 
 
@@ -122,8 +130,14 @@ def test_truncated_shard_fails_as_inspect_predicts(tiny, tmp_path):
 
 
 def test_scheme_of_the_wrong_type_starts_unscaled_with_one_warning(tiny, kvscale_warnings):
-    scheme = {"num_bits": "eight", "type": 5, "strategy": [], "dynamic": "maybe",
-              "symmetric": None, "not_a_field": {"x": [1]}}  # fmt: skip
+    scheme = {
+        "num_bits": "eight",
+        "type": 5,
+        "strategy": [],
+        "dynamic": "maybe",
+        "symmetric": None,
+        "not_a_field": {"x": [1]},
+    }
     ckpt = tiny("fuzz-worst-scheme", kv_cache_scheme=scheme)
     with vllm_engine(ckpt, quantization="kvscale") as llm:
         scales = layer_scales(llm)
@@ -190,10 +204,16 @@ def test_reload_storm(tiny, kvscale_warnings):
             assert sorted(now) == sorted(first)
             for name, s in now.items():
                 want = sets[expected][layer_index(name)]
-                assert (s.k, s.k_float, s.k_cpu) == pytest.approx((want["k"],) * 3, rel=1e-6), \
-                    (step, label, s)
-                assert (s.v, s.v_float, s.v_cpu) == pytest.approx((want["v"],) * 3, rel=1e-6), \
-                    (step, label, s)
+                assert (s.k, s.k_float, s.k_cpu) == pytest.approx((want["k"],) * 3, rel=1e-6), (
+                    step,
+                    label,
+                    s,
+                )
+                assert (s.v, s.v_float, s.v_cpu) == pytest.approx((want["v"],) * 3, rel=1e-6), (
+                    step,
+                    label,
+                    s,
+                )
                 assert (s.k_ptr, s.v_ptr) == (first[name].k_ptr, first[name].v_ptr), (step, name)
                 assert s.pool_is_fp8
             if step in (2, 20):
@@ -203,9 +223,11 @@ def test_reload_storm(tiny, kvscale_warnings):
     assert all(math.isfinite(x) for x in logprobs)
     growth = rss[20] - rss[2]
     missing = kvscale_warnings("no k_scale/v_scale tensors")
-    print(f"reload storm: RSS after reload 2 = {rss[2] / 2**20:.1f} MiB, after reload 20 = "
-          f"{rss[20] / 2**20:.1f} MiB, growth {growth / 2**20:+.1f} MiB; 'scales missing' "
-          f"warnings during the storm: {len(missing)}")
+    print(
+        f"reload storm: RSS after reload 2 = {rss[2] / 2**20:.1f} MiB, after reload 20 = "
+        f"{rss[20] / 2**20:.1f} MiB, growth {growth / 2**20:+.1f} MiB; 'scales missing' "
+        f"warnings during the storm: {len(missing)}"
+    )
     assert growth < 50 * 2**20
 
 

@@ -40,7 +40,7 @@ def _max_dev(a: list[float], b: list[float]) -> float:
 def _served_per_engine(metrics: str) -> dict[str, float]:
     """Finished requests per engine (``vllm:request_success_total{engine=...}``)."""
     counts: dict[str, float] = {}
-    for m in re.finditer(r'^vllm:request_success_total\{([^}]*)\} ([0-9.e+]+)$', metrics, re.M):
+    for m in re.finditer(r"^vllm:request_success_total\{([^}]*)\} ([0-9.e+]+)$", metrics, re.M):
         engine = re.search(r'engine="(\d+)"', m[1])
         if engine:
             counts[engine[1]] = counts.get(engine[1], 0.0) + float(m[2])
@@ -52,15 +52,19 @@ def test_data_parallel_server_takes_a_burst_within_idle_noise(tiny, tmp_path):
     ids = list(reference_token_ids(ckpt))
     rng = random.Random(0)
     # Prompts of different lengths and token counts, so batches really mix.
-    jobs = [(rng.sample(ids, rng.randint(4, len(ids) - 1)), rng.randint(1, 24))
-            for _ in range(BURST)]
+    jobs = [
+        (rng.sample(ids, rng.randint(4, len(ids) - 1)), rng.randint(1, 24)) for _ in range(BURST)
+    ]
 
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node: engines share it
-    with openai_server(ckpt, tmp_path, extra=["--data-parallel-size", str(DP)], env=env,
-                       ready_s=300) as server:
+    with openai_server(
+        ckpt, tmp_path, extra=["--data-parallel-size", str(DP)], env=env, ready_s=300
+    ) as server:
         # Idle: the fixed text on each engine, repeatedly, then two at once (unpinned).
-        per_rank = {r: [server.prompt_logprobs(ids, rank=r) for _ in range(IDLE_RUNS_PER_RANK)]
-                    for r in range(DP)}
+        per_rank = {
+            r: [server.prompt_logprobs(ids, rank=r) for _ in range(IDLE_RUNS_PER_RANK)]
+            for r in range(DP)
+        }
         with ThreadPoolExecutor(2) as pool:
             pair = list(pool.map(lambda _: server.prompt_logprobs(ids), range(2)))
         idle = [run for runs in per_rank.values() for run in runs] + pair
@@ -70,10 +74,18 @@ def test_data_parallel_server_takes_a_burst_within_idle_noise(tiny, tmp_path):
         def complete(job: tuple[list[int], int]) -> tuple[int, int, float]:
             prompt, n = job
             t0 = time.monotonic()
-            answer = server.post("/v1/completions", {
-                "model": server.model, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True,
-            }, timeout=TIMEOUT_S)  # fmt: skip
+            answer = server.post(
+                "/v1/completions",
+                {
+                    "model": server.model,
+                    "prompt": prompt,
+                    "max_tokens": n,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+                timeout=TIMEOUT_S,
+            )
             return n, len(answer["choices"][0]["token_ids"]), time.monotonic() - t0
 
         t0 = time.monotonic()
@@ -99,11 +111,13 @@ def test_data_parallel_server_takes_a_burst_within_idle_noise(tiny, tmp_path):
     latencies = sorted(r[2] for r in results)
     load_dev = max(_max_dev(run, base) for run in under_load)
     rank_dev = {r: max(_max_dev(run, in_process) for run in runs) for r, runs in per_rank.items()}
-    print(f"DP={DP} server: requests finished per engine {served}; each engine vs in-process "
-          f"kvscale max |dlogprob| {rank_dev}; burst of {BURST}, {CONCURRENCY} at a time: "
-          f"{wall:.1f} s wall, latency p50 {latencies[BURST // 2]:.2f} s / max "
-          f"{latencies[-1]:.2f} s; idle noise {idle_noise:.2e} over {len(idle)} runs; under "
-          f"load {load_dev:.2e} over {len(under_load)} runs")
+    print(
+        f"DP={DP} server: requests finished per engine {served}; each engine vs in-process "
+        f"kvscale max |dlogprob| {rank_dev}; burst of {BURST}, {CONCURRENCY} at a time: "
+        f"{wall:.1f} s wall, latency p50 {latencies[BURST // 2]:.2f} s / max "
+        f"{latencies[-1]:.2f} s; idle noise {idle_noise:.2e} over {len(idle)} runs; under "
+        f"load {load_dev:.2e} over {len(under_load)} runs"
+    )
     # Both engine cores serve with the checkpoint's scales (scale 1.0 would be ~0.08 off).
     assert all(dev <= 1e-3 for dev in rank_dev.values()), rank_dev
     assert len(served) == DP and all(n > 0 for n in served.values()), served

@@ -50,9 +50,20 @@ def truncation(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def special_values(scale: float) -> torch.Tensor:
     """NaN, +-inf, beyond +-448, subnormals, exact ties (RNE vs away), +-0, all scaled by s."""
-    e4m3_ties = [1.0625, 1.1875, 1.3125, 17.0, 19.0, 2.0 ** -9 * 1.5, 2.0 ** -9 * 0.5,
-                 2.0 ** -7 * 1.0625, 440.0, 416.0 + 8.0, 464.0]  # fmt: skip
-    subnormals = [2.0 ** -9, 2.0 ** -8 * 3, 2.0 ** -7 * 0.875, 2.0 ** -10, 2.0 ** -12]
+    e4m3_ties = [
+        1.0625,
+        1.1875,
+        1.3125,
+        17.0,
+        19.0,
+        2.0**-9 * 1.5,
+        2.0**-9 * 0.5,
+        2.0**-7 * 1.0625,
+        440.0,
+        416.0 + 8.0,
+        464.0,
+    ]
+    subnormals = [2.0**-9, 2.0**-8 * 3, 2.0**-7 * 0.875, 2.0**-10, 2.0**-12]
     big = [448.0, 449.0, 480.0, 1000.0, 1e6, 3e38]
     vals = [0.0, float("nan"), float("inf")] + e4m3_ties + subnormals + big
     out = torch.tensor(vals + [-v for v in vals], dtype=torch.float64) * scale
@@ -115,11 +126,13 @@ def test_quantize_equals_contract_on_every_bit_pattern(dtype, scale):
 @pytest.mark.parametrize("scale", SCALES)
 def test_quantize_equals_contract_fp32(scale):
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([
-        torch.randn(200_000, generator=g) * 300 * scale,
-        (torch.rand(50_000, generator=g) - 0.5) * 2.0 ** -6 * scale,  # subnormal range
-        special_values(scale),
-    ])  # fmt: skip
+    x = torch.cat(
+        [
+            torch.randn(200_000, generator=g) * 300 * scale,
+            (torch.rand(50_000, generator=g) - 0.5) * 2.0**-6 * scale,  # subnormal range
+            special_values(scale),
+        ]
+    )
     assert_same_fp8(quantize_e4m3(x, scale).view(torch.uint8), contract(x, scale))
 
 
@@ -174,8 +187,9 @@ def test_all_padding_and_empty_leave_the_cache_alone():
 def test_rejects_what_it_does_not_know():
     key, value = make_inputs(2, 2, 64, torch.bfloat16, 1.0)
     with pytest.raises(ValueError, match="layout"):
-        cpu_fp8_cache_write(key, value, random_cache(2, 2, 32, 64), torch.tensor([0, 1]),
-                            1.0, 1.0, layout="amx")  # fmt: skip
+        cpu_fp8_cache_write(
+            key, value, random_cache(2, 2, 32, 64), torch.tensor([0, 1]), 1.0, 1.0, layout="amx"
+        )
     with pytest.raises(ValueError, match="1-byte"):
         cpu_fp8_cache_write(key, value, torch.zeros(2, 2, 32, 128), torch.tensor([0, 1]), 1.0, 1.0)
 
@@ -199,9 +213,16 @@ def vllm_write(key, value, cache, slots, k_scale, v_scale, isa="vec"):
     num_blocks, num_heads, block_size, _ = cache.shape
     key_cache, value_cache = cache.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, slots, isa,
-        k_scale=k_scale, v_scale=v_scale, kv_cache_dtype="fp8",
-    )  # fmt: skip
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype="fp8",
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -109,11 +109,39 @@ def test_special_values(dtype: torch.dtype, conversion: str) -> None:
     values become e4m3 subnormals or (signed) zero."""
     big = torch.finfo(dtype).max
     specials = [
-        float("nan"), -float("nan"), float("inf"), -float("inf"), big, -big,
-        1e4, -1e4, 448.0, -448.0, 449.0, 463.9, 464.0, 465.0, 479.0, 480.0, -500.0,
-        0.0, -0.0, 2.0**-6, 2.0**-7, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-11, -(2.0**-9),
-        1e-6, -1e-6, 1.0625, 1.1875, 17.0, 19.0,
-    ]  # fmt: skip
+        float("nan"),
+        -float("nan"),
+        float("inf"),
+        -float("inf"),
+        big,
+        -big,
+        1e4,
+        -1e4,
+        448.0,
+        -448.0,
+        449.0,
+        463.9,
+        464.0,
+        465.0,
+        479.0,
+        480.0,
+        -500.0,
+        0.0,
+        -0.0,
+        2.0**-6,
+        2.0**-7,
+        2.0**-9,
+        2.0**-10,
+        3 * 2.0**-11,
+        2.0**-11,
+        -(2.0**-9),
+        1e-6,
+        -1e-6,
+        1.0625,
+        1.1875,
+        17.0,
+        19.0,
+    ]
     x = torch.tensor(specials, dtype=torch.float32).to(dtype)
     # Fill [tokens=4, heads=2, head_size=64] with the specials and random fill.
     key = wide_range((4, 2, 64), dtype, seed=3).cpu()

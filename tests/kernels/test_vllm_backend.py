@@ -85,9 +85,15 @@ def our_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 def make_impl(kv_cache_dtype: str = "fp8", attn_type: str = AttentionType.DECODER) -> Any:
     impl_cls = vllm_backend.KVScaleTritonAttentionBackend.get_impl_cls()
     return impl_cls(
-        NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS, None, None, kv_cache_dtype,
+        NUM_HEADS,
+        HEAD_SIZE,
+        HEAD_SIZE**-0.5,
+        NUM_KV_HEADS,
+        None,
+        None,
+        kv_cache_dtype,
         attn_type=attn_type,
-    )  # fmt: skip
+    )
 
 
 def make_layer(method: object | None, k_scale: float = 0.37, v_scale: float = 2.9) -> Any:

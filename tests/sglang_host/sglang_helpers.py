@@ -69,17 +69,31 @@ def per_head_tensors(
     return out
 
 
-def per_head_checkpoint(tiny, name: str, family: str = "llama", scales=PER_HEAD,
-                        naming: str = "self_attn", shape=None, q_scales: bool = False,
-                        extra_tensors=None, **fields: Any) -> Path:
+def per_head_checkpoint(
+    tiny,
+    name: str,
+    family: str = "llama",
+    scales=PER_HEAD,
+    naming: str = "self_attn",
+    shape=None,
+    q_scales: bool = False,
+    extra_tensors=None,
+    **fields: Any,
+) -> Path:
     """A tiny ``strategy: attn_head`` checkpoint (TinySpec writes per-tensor scales only,
     so the per-head tensors go in as extra tensors)."""
     tensors = per_head_tensors(scales, naming, shape, q_scales) if scales is not None else {}
     tensors.update(extra_tensors or {})
     fields.setdefault("num_layers", len(scales) if scales is not None else 2)
-    return tiny(name, family=family, kv_cache_scheme=ATTN_HEAD_SCHEME, write_scales=False,
-                scales={i: (1.0, 1.0) for i in range(fields["num_layers"])},  # no calibration
-                extra_tensors=tensors, **fields)
+    return tiny(
+        name,
+        family=family,
+        kv_cache_scheme=ATTN_HEAD_SCHEME,
+        write_scales=False,
+        scales={i: (1.0, 1.0) for i in range(fields["num_layers"])},  # no calibration
+        extra_tensors=tensors,
+        **fields,
+    )
 
 
 @dataclass(frozen=True)

@@ -309,13 +309,22 @@ def test_attention_layers_are_found(tiny):
 def test_naming_zoo_and_stray_names(tiny, family, kvscale_warnings):
     # Layer i uses naming NAMINGS[i] (every convention in one checkpoint), plus zero
     # points, plus scales for layers this model does not have.
-    extra = {f"model.layers.{i}.self_attn.{kind}_zero_point": torch.zeros(1)
-             for i in range(len(NAMINGS)) for kind in "kv"}
+    extra = {
+        f"model.layers.{i}.self_attn.{kind}_zero_point": torch.zeros(1)
+        for i in range(len(NAMINGS))
+        for kind in "kv"
+    }
     extra["model.layers.7.self_attn.k_scale"] = torch.tensor([3.0])
     extra["model.layers.9.self_attn.v_proj.v_scale"] = torch.tensor([3.0])
     scales = {i: (1.0 + i, 0.5 + i) for i in range(len(NAMINGS))}
-    ckpt = tiny(f"sgl-zoo-{family}", family=family, num_layers=len(NAMINGS), naming=NAMINGS,
-                scales=scales, extra_tensors=extra)
+    ckpt = tiny(
+        f"sgl-zoo-{family}",
+        family=family,
+        num_layers=len(NAMINGS),
+        naming=NAMINGS,
+        scales=scales,
+        extra_tensors=extra,
+    )
     model, _ = build_model(ckpt)
     assert_scales(layer_scales(model), stored(ckpt))
     # The stray names are not loaded (SGLang's loader skips them): one warning names both.
@@ -339,8 +348,9 @@ def test_third_party_rule_package(tiny, kvscale_warnings):
         invented[f"model.layers.{i}.attention.kv_quant.k"] = torch.tensor([k])
         invented[f"model.layers.{i}.attention.kv_quant.v"] = torch.tensor([v])
     for family in ("qwen2", "qwen3"):
-        ckpt = tiny(f"sgl-invented-{family}", family=family, write_scales=False,
-                    extra_tensors=invented)
+        ckpt = tiny(
+            f"sgl-invented-{family}", family=family, write_scales=False, extra_tensors=invented
+        )
         model, _ = build_model(ckpt)
         assert_scales(layer_scales(model), SCALES)
     # The deliberately broken rule package of the same distribution: at most one warning.
@@ -349,8 +359,12 @@ def test_third_party_rule_package(tiny, kvscale_warnings):
 
 def test_scheme_with_omitted_fields_uses_library_defaults(tiny, caplog):
     # Real checkpoints sometimes omit strategy / symmetric / dynamic.
-    ckpt = tiny("sgl-minimal-scheme", family="qwen2", scales=SCALES,
-                kv_cache_scheme={"num_bits": 8, "type": "float"})
+    ckpt = tiny(
+        "sgl-minimal-scheme",
+        family="qwen2",
+        scales=SCALES,
+        kv_cache_scheme={"num_bits": 8, "type": "float"},
+    )
     caplog.set_level("INFO", logger="kvscale_plugin")
     model, _ = build_model(ckpt)
     assert_scales(layer_scales(model), SCALES)

@@ -121,7 +121,9 @@ def test_corrupt_per_head_element_fails_naming_layer_and_head(tiny):
 def test_wrong_per_head_shape_fails_naming_expected_shape(tiny, shape, values):
     k_name = "model.layers.1.self_attn.k_scale"
     ckpt = per_head_checkpoint(
-        tiny, f"sgl-ph-shape-{'x'.join(map(str, shape))}", family="llama",
+        tiny,
+        f"sgl-ph-shape-{'x'.join(map(str, shape))}",
+        family="llama",
         extra_tensors={k_name: per_head_tensor(values, shape)},
     )
     with pytest.raises(CorruptScaleError) as err:
@@ -170,7 +172,9 @@ def test_reload_per_head_new_values_same_tensors(tiny, monkeypatch, fnuz):
 def test_reload_after_corrupt_per_head_load_forgets_old_problems(tiny):
     good = per_head_checkpoint(tiny, "sgl-ph-good", family="llama")
     bad = per_head_checkpoint(
-        tiny, "sgl-ph-one-bad", family="llama",
+        tiny,
+        "sgl-ph-one-bad",
+        family="llama",
         extra_tensors={"model.layers.0.self_attn.v_scale": per_head_tensor((1.0, math.nan))},
     )
     model, model_config = build_model(good)
@@ -187,8 +191,9 @@ def test_explicit_bf16_cache_wins_over_per_head_scheme(tiny):
     with get_model().override(kv_cache_dtype="bf16"):
         model, _ = build_model(ckpt)
     scales = layer_scales(model)
-    assert all(s.k == s.v == s.k_float == 1.0 and s.source == "unscaled"
-               for s in scales.values()), scales
+    assert all(
+        s.k == s.v == s.k_float == 1.0 and s.source == "unscaled" for s in scales.values()
+    ), scales
     assert resolve_kv_cache_dtype(model, "bf16")[1] == torch.bfloat16
 
 
@@ -246,7 +251,9 @@ def test_rank_heads_are_taken_from_the_full_tensor(tiny, monkeypatch):
 
     # Every head of the full tensor is validated, including heads other ranks serve.
     bad = per_head_checkpoint(
-        tiny, "sgl-ph-llama-rank1-bad", family="llama",
+        tiny,
+        "sgl-ph-llama-rank1-bad",
+        family="llama",
         extra_tensors={"model.layers.1.self_attn.k_scale": per_head_tensor((0.0, 4.75))},
     )
     with pytest.raises(CorruptScaleError, match=r"layers\.1\.self_attn\.attn\.k_scale\[head 0\]"):

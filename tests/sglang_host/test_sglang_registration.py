@@ -124,8 +124,11 @@ def test_auto_kv_cache_dtype_resolves_to_fp8(tiny):
 
 
 def test_unsupported_scheme_keeps_auto_at_model_dtype(tiny):
-    ckpt = tiny("sgl-unsupported-channel", kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "channel"},
-                scales=SCALES)
+    ckpt = tiny(
+        "sgl-unsupported-channel",
+        kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "channel"},
+        scales=SCALES,
+    )
     model, _ = build_model(ckpt)
     assert model.quant_config.kv_cache_quant_algo is None
     assert resolve_kv_cache_dtype(model, "auto") == (None, torch.bfloat16)

@@ -35,8 +35,11 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _digest(model_dir: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(model_dir.iterdir()) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(model_dir.iterdir())
+        if p.is_file()
+    }
 
 
 def _cache_maxima(model_dir: Path, texts: list[str], max_len: int) -> tuple[dict, dict]:
@@ -49,9 +52,9 @@ def _cache_maxima(model_dir: Path, texts: list[str], max_len: int) -> tuple[dict
     # Without the KV-only compressed-tensors config, or transformers would attach
     # compressed-tensors' own KV fake-quantization to attention.
     del config.quantization_config
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config,
-                                                 dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), config=config, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
@@ -89,6 +92,7 @@ def test_scale_from_amax_shapes_and_floor():
 def test_builtin_corpus_is_real_prose_with_disjoint_splits():
     calib, held = cal.builtin_corpus("calibration"), cal.builtin_corpus("heldout")
     assert len(calib) >= 32 and len(held) >= 16
+
     def sentences(texts: list[str]) -> set[str]:
         return {s for t in texts for s in re.split(r"(?<=[.!?])\s+", t) if len(s) >= 60}
 
@@ -137,7 +141,8 @@ def test_recorded_maxima_equal_the_bf16_kv_cache(tiny, family):
         assert torch.equal(obs.k_amax[name], k_ref[i]), (name, obs.k_amax[name], k_ref[i])
         assert torch.equal(obs.v_amax[name], v_ref[i])
     assert obs.num_samples == 3 and obs.num_tokens == sum(
-        min(96, len(tok(t)["input_ids"])) for t in texts)
+        min(96, len(tok(t)["input_ids"])) for t in texts
+    )
 
 
 def test_keys_are_observed_after_rotary_not_at_the_projection(plain):
@@ -146,9 +151,12 @@ def test_keys_are_observed_after_rotary_not_at_the_projection(plain):
 
     model, tok = cal.load_model(plain)
     proj: dict[int, torch.Tensor] = {}
-    handles = [layer.self_attn.k_proj.register_forward_hook(
-        lambda _m, _i, out, i=i: proj.__setitem__(i, out.detach()))
-        for i, layer in enumerate(model.model.layers)]
+    handles = [
+        layer.self_attn.k_proj.register_forward_hook(
+            lambda _m, _i, out, i=i: proj.__setitem__(i, out.detach())
+        )
+        for i, layer in enumerate(model.model.layers)
+    ]
     obs = cal.observe(model, tok, TEXTS[:1], max_len=128, progress=False)
     for h in handles:
         h.remove()
@@ -166,10 +174,13 @@ def test_keys_are_observed_after_rotary_not_at_the_projection(plain):
 
 def test_write_checkpoint_single_file(plain, tmp_path):
     before = _digest(plain)
-    scales = {f"model.layers.{i}.self_attn": (torch.tensor([1.5 + i]), torch.tensor([0.25]))
-              for i in range(3)}
-    out = cal.write_checkpoint(plain, tmp_path / "out", scales, "tensor",
-                               record={"samples": "test"})
+    scales = {
+        f"model.layers.{i}.self_attn": (torch.tensor([1.5 + i]), torch.tensor([0.25]))
+        for i in range(3)
+    }
+    out = cal.write_checkpoint(
+        plain, tmp_path / "out", scales, "tensor", record={"samples": "test"}
+    )
     assert _digest(plain) == before  # MODEL_DIR untouched
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["kv_cache_scheme"] == FP8_KV_SCHEME
@@ -189,8 +200,9 @@ def test_write_checkpoint_single_file(plain, tmp_path):
 
 
 def test_write_checkpoint_refuses_existing_out_and_model_dir(plain, tmp_path):
-    scales = {f"model.layers.{i}.self_attn": (torch.tensor([2.0]), torch.tensor([2.0]))
-              for i in range(3)}
+    scales = {
+        f"model.layers.{i}.self_attn": (torch.tensor([2.0]), torch.tensor([2.0])) for i in range(3)
+    }
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -203,8 +215,12 @@ def test_write_checkpoint_refuses_existing_out_and_model_dir(plain, tmp_path):
         with pytest.raises(cal.CalibrationError, match="outside"):
             cal.write_checkpoint(plain, bad_out, scales, "tensor", force=True)
     with pytest.raises(cal.CalibrationError, match="positive finite"):
-        cal.write_checkpoint(plain, tmp_path / "x", {"model.layers.0.self_attn": (
-            torch.tensor([0.0]), torch.tensor([1.0]))}, "tensor")
+        cal.write_checkpoint(
+            plain,
+            tmp_path / "x",
+            {"model.layers.0.self_attn": (torch.tensor([0.0]), torch.tensor([1.0]))},
+            "tensor",
+        )
 
 
 def test_write_checkpoint_sharded_replaces_old_scales_and_links_weights(tiny, tmp_path):
@@ -213,8 +229,10 @@ def test_write_checkpoint_sharded_replaces_old_scales_and_links_weights(tiny, tm
     before = _digest(src)
     old = {n for n in _tensors(src) if n.endswith("output_scale")}
     assert len(old) == 8
-    scales = {f"model.layers.{i}.self_attn": (torch.full((2, 1, 1), 3.0 + i),
-                                              torch.full((2, 1, 1), 0.5)) for i in range(4)}
+    scales = {
+        f"model.layers.{i}.self_attn": (torch.full((2, 1, 1), 3.0 + i), torch.full((2, 1, 1), 0.5))
+        for i in range(4)
+    }
     out = cal.write_checkpoint(src, tmp_path / "out", scales, "attn_head")
     assert _digest(src) == before
     new = _tensors(out)
@@ -226,10 +244,16 @@ def test_write_checkpoint_sharded_replaces_old_scales_and_links_weights(tiny, tm
     assert index["weight_map"]["model.layers.0.self_attn.v_scale"] == cal.SCALES_SHARD
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in ckpt.tensors.values())
     # Shards without old scales are hard links of the originals; the others rewritten.
-    linked = [f.name for f in out.glob("model-0000*.safetensors")
-              if f.stat().st_ino == (src / f.name).stat().st_ino]
-    rewritten = {f.name for f in src.glob("model-0000*.safetensors")
-                 if any(n.endswith("output_scale") for n in _tensors_in(f))}
+    linked = [
+        f.name
+        for f in out.glob("model-0000*.safetensors")
+        if f.stat().st_ino == (src / f.name).stat().st_ino
+    ]
+    rewritten = {
+        f.name
+        for f in src.glob("model-0000*.safetensors")
+        if any(n.endswith("output_scale") for n in _tensors_in(f))
+    }
     assert rewritten
     assert set(linked) == {f.name for f in src.glob("model-0000*.safetensors")} - rewritten
     cfg = json.loads((out / "config.json").read_text())
@@ -242,9 +266,13 @@ def _tensors_in(f: Path) -> list[str]:
 
 
 def test_quantization_config_merging():
-    weight_qc = {"quant_method": "compressed-tensors", "format": "int-quantized",
-                 "config_groups": {"group_0": {"targets": ["Linear"]}}, "ignore": ["lm_head"],
-                 "kv_cache_scheme": None}
+    weight_qc = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"]}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
     merged = cal.quantization_config_with_kv({"quantization_config": weight_qc}, "tensor")
     assert merged["config_groups"] == weight_qc["config_groups"]  # weight schemes kept
     assert merged["format"] == "int-quantized" and merged["ignore"] == ["lm_head"]
@@ -252,16 +280,25 @@ def test_quantization_config_merging():
     fresh = cal.quantization_config_with_kv({}, "attn_head")
     assert fresh["config_groups"] == {} and fresh["kv_cache_scheme"]["strategy"] == "attn_head"
     with pytest.raises(cal.CalibrationError, match="'fp8', not compressed-tensors"):
-        cal.quantization_config_with_kv({"quantization_config": {"quant_method": "fp8"}},
-                                        "tensor")
+        cal.quantization_config_with_kv({"quantization_config": {"quant_method": "fp8"}}, "tensor")
 
 
 def test_cli_calibrate_tensor_and_attn_head(plain, tmp_path, capsys):
     samples = tmp_path / "s.jsonl"
     samples.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     out = tmp_path / "cal"
-    args = ["calibrate", str(plain), "--out", str(out), "--samples", str(samples),
-            "--num-samples", "2", "--max-len", "64"]
+    args = [
+        "calibrate",
+        str(plain),
+        "--out",
+        str(out),
+        "--samples",
+        str(samples),
+        "--num-samples",
+        "2",
+        "--max-len",
+        "64",
+    ]
     assert cli_main(args) == 0
     text = capsys.readouterr().out
     assert "model.layers.2.self_attn" in text and "kvscale inspect: clean" in text
@@ -288,8 +325,12 @@ def test_cli_calibrate_tensor_and_attn_head(plain, tmp_path, capsys):
         want = [a / 448 for a in rec["k_amax"][name]]
         assert k.reshape(-1).tolist() == pytest.approx(want, rel=1e-6)
         assert max(want) == pytest.approx(float(tensors[f"{name}.k_scale"]), rel=1e-6)
-    assert json.loads((head_out / "config.json").read_text())["quantization_config"][
-        "kv_cache_scheme"]["strategy"] == "attn_head"
+    assert (
+        json.loads((head_out / "config.json").read_text())["quantization_config"][
+            "kv_cache_scheme"
+        ]["strategy"]
+        == "attn_head"
+    )
 
 
 def test_cli_calibrate_bad_input(tmp_path, capsys):

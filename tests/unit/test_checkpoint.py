@@ -79,9 +79,11 @@ def test_huge_sparse_weight_is_never_read(tmp_path):
     header = {
         "model.layers.0.self_attn.k_scale": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
         "model.layers.0.mlp.weight": {
-            "dtype": "BF16", "shape": [big // 2], "data_offsets": [4, 4 + big],
+            "dtype": "BF16",
+            "shape": [big // 2],
+            "data_offsets": [4, 4 + big],
         },
-    }  # fmt: skip
+    }
     path = _write_raw(tmp_path / "model.safetensors", header, scale)
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size + big)

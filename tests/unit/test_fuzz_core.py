@@ -82,9 +82,19 @@ def _report_counts(request: pytest.FixtureRequest) -> Iterator[None]:
 # ----------------------------------------------------------------- kv_cache_scheme
 
 FIELDS = (
-    "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
-    "actorder", "scale_dtype", "zp_dtype", "observer", "observer_kwargs",
-)  # fmt: skip
+    "num_bits",
+    "type",
+    "symmetric",
+    "group_size",
+    "strategy",
+    "block_structure",
+    "dynamic",
+    "actorder",
+    "scale_dtype",
+    "zp_dtype",
+    "observer",
+    "observer_kwargs",
+)
 
 ABSURD_NUMBERS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
@@ -92,11 +102,35 @@ ABSURD_NUMBERS = st.one_of(
     st.sampled_from([0, -1, 8, 4, 16, 2**31, 2**63, -(2**63), 1e308, -0.0, 8.0, 8.5, True]),
 )
 JSON_SCALARS = st.one_of(
-    st.none(), st.booleans(), ABSURD_NUMBERS, st.text(max_size=12),
-    st.sampled_from(["float", "int", "tensor", "attn_head", "channel", "group", "token",
-                     "block", "tensor_group", "FLOAT", " tensor", "true", "false", "8", "",
-                     "minmax", "static_minmax", "dynamic", "local", "bfloat16"]),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    ABSURD_NUMBERS,
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "float",
+            "int",
+            "tensor",
+            "attn_head",
+            "channel",
+            "group",
+            "token",
+            "block",
+            "tensor_group",
+            "FLOAT",
+            " tensor",
+            "true",
+            "false",
+            "8",
+            "",
+            "minmax",
+            "static_minmax",
+            "dynamic",
+            "local",
+            "bfloat16",
+        ]
+    ),
+)
 JSON_VALUES = st.recursive(
     JSON_SCALARS,
     lambda inner: st.one_of(
@@ -138,8 +172,9 @@ def schemes(draw: st.DrawFn) -> Any:
             scheme[name] = draw(JSON_VALUES)
         elif how == "odd":
             scheme[name] = draw(ODD_VALUES)
-    extra = draw(st.dictionaries(st.one_of(st.text(max_size=10), st.integers()), JSON_VALUES,
-                                 max_size=3))
+    extra = draw(
+        st.dictionaries(st.one_of(st.text(max_size=10), st.integers()), JSON_VALUES, max_size=3)
+    )
     for key, value in extra.items():
         scheme.setdefault(key, value)
     return scheme
@@ -200,12 +235,22 @@ def test_judge_budget_ran() -> None:
 def test_judge_named_hostile_schemes() -> None:
     """A few hand-picked ones, so the worst kinds are certainly in."""
     for scheme in (
-        [], "fp8", 8, 8.0, True, float("nan"), {"num_bits": float("nan"), "type": "float"},
-        {"num_bits": 2**70, "type": "int"}, {"num_bits": -8, "type": "int"},
-        {"num_bits": "eight", "type": 5, "strategy": []}, {"type": {"nested": [1]}},
-        {"": None}, {1: 2}, {"num_bits": 8, "type": "float", "strategy": "attn_head",
-                             "dynamic": "local"},
-        {"num_bits": 8, "type": "float", "observer_kwargs": "x"}, {},
+        [],
+        "fp8",
+        8,
+        8.0,
+        True,
+        float("nan"),
+        {"num_bits": float("nan"), "type": "float"},
+        {"num_bits": 2**70, "type": "int"},
+        {"num_bits": -8, "type": "int"},
+        {"num_bits": "eight", "type": 5, "strategy": []},
+        {"type": {"nested": [1]}},
+        {"": None},
+        {1: 2},
+        {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": "local"},
+        {"num_bits": 8, "type": "float", "observer_kwargs": "x"},
+        {},
     ):
         COUNTS["scheme"] += 1
         _check_verdict(scheme, judge_kv_cache_scheme(scheme))
@@ -214,13 +259,51 @@ def test_judge_named_hostile_schemes() -> None:
 
 # ----------------------------------------------------------------- scale tensors
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                torch.float8_e4m3fn, torch.float8_e5m2)  # fmt: skip
-OTHER_DTYPES = (torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool, torch.int16,
-                torch.complex64)  # fmt: skip
-SPECIAL = (0.0, -0.0, -1.0, SENTINEL, -3.5, math.nan, -math.nan, math.inf, -math.inf, 1e-45,
-           1.4e-45, 1e-40, 1e-310, 5e-324, 6e-8, 1e-30, 3.4e38, 3.5e38, 1e300, 65504.0, 65520.0,
-           448.0, 57344.0, 1e-3, 1.0, 2.5)  # fmt: skip
+FLOAT_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+OTHER_DTYPES = (
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.int16,
+    torch.complex64,
+)
+SPECIAL = (
+    0.0,
+    -0.0,
+    -1.0,
+    SENTINEL,
+    -3.5,
+    math.nan,
+    -math.nan,
+    math.inf,
+    -math.inf,
+    1e-45,
+    1.4e-45,
+    1e-40,
+    1e-310,
+    5e-324,
+    6e-8,
+    1e-30,
+    3.4e38,
+    3.5e38,
+    1e300,
+    65504.0,
+    65520.0,
+    448.0,
+    57344.0,
+    1e-3,
+    1.0,
+    2.5,
+)
 VALUES = st.one_of(
     st.sampled_from(SPECIAL),
     st.floats(allow_nan=True, allow_infinity=True, width=64),
@@ -236,10 +319,28 @@ def scale_inputs(draw: st.DrawFn) -> tuple[Any, int | None]:
         return draw(st.one_of(VALUES, st.integers(-5, 5))), num_heads
     dtype = draw(st.sampled_from(FLOAT_DTYPES * 2 + OTHER_DTYPES))
     h = num_heads or draw(st.sampled_from([1, 2, 4]))
-    shape = draw(st.sampled_from([
-        (), (1,), (2,), (h,), (h, 1, 1), (h, 1), (0,), (1, 1), (1, 1, 1), (h, 2, 1),
-        (2, h), (h + 1,), (h + 1, 1, 1), (3,), (0, 1), (h, 1, 1, 1),
-    ]))  # fmt: skip
+    shape = draw(
+        st.sampled_from(
+            [
+                (),
+                (1,),
+                (2,),
+                (h,),
+                (h, 1, 1),
+                (h, 1),
+                (0,),
+                (1, 1),
+                (1, 1, 1),
+                (h, 2, 1),
+                (2, h),
+                (h + 1,),
+                (h + 1, 1, 1),
+                (3,),
+                (0, 1),
+                (h, 1, 1, 1),
+            ]
+        )
+    )
     numel = math.prod(shape)
     values = draw(st.lists(VALUES, min_size=numel, max_size=numel))
     source = torch.tensor(values, dtype=torch.float64).reshape(shape)
@@ -283,8 +384,17 @@ def _oracle(name: str, value: Any, num_heads: int | None) -> set[str]:
 
 
 @fuzz(N_SCALES)
-@given(scale_inputs(), st.sampled_from(["model.layers.0.self_attn.attn.k_scale",
-                                        "mtp.layers.3.self_attn.v_scale", "x", "weird name.[]"]))
+@given(
+    scale_inputs(),
+    st.sampled_from(
+        [
+            "model.layers.0.self_attn.attn.k_scale",
+            "mtp.layers.3.self_attn.v_scale",
+            "x",
+            "weird name.[]",
+        ]
+    ),
+)
 def test_scale_problems_match_oracle(case: tuple[Any, int | None], name: str) -> None:
     """The drawn value judged per tensor and against several KV-head counts (each
     judgement counts as a case)."""
@@ -317,12 +427,16 @@ def test_scale_budget_ran() -> None:
 
 def test_check_scales_names_every_bad_tensor_at_once() -> None:
     named = [
-        ("a.k_scale", torch.tensor(0.0)), ("a.v_scale", torch.tensor(2.0)),
-        ("b.k_scale", torch.tensor([math.nan])), ("b.v_scale", torch.tensor(-1.0)),
-        ("c.k_scale", torch.tensor(3, dtype=torch.int32)), ("c.v_scale", torch.empty(0)),
-        ("d.k_scale", torch.tensor(1e-45)), ("d.v_scale", torch.tensor(1e30)),
+        ("a.k_scale", torch.tensor(0.0)),
+        ("a.v_scale", torch.tensor(2.0)),
+        ("b.k_scale", torch.tensor([math.nan])),
+        ("b.v_scale", torch.tensor(-1.0)),
+        ("c.k_scale", torch.tensor(3, dtype=torch.int32)),
+        ("c.v_scale", torch.empty(0)),
+        ("d.k_scale", torch.tensor(1e-45)),
+        ("d.v_scale", torch.tensor(1e30)),
         ("e.k_scale", torch.tensor(3e38)),
-    ]  # fmt: skip
+    ]
     COUNTS["scale_problems"] += 1
     with pytest.raises(CorruptScaleError) as info:
         check_scales(named)
@@ -366,8 +480,10 @@ def _elements(value: Any) -> list[float]:
 
 
 @fuzz(N_RESOLVE)
-@given(st.sampled_from([1, 2, 4]).flatmap(lambda h: st.tuples(loaded_scale(h), loaded_scale(h))),
-       st.booleans())
+@given(
+    st.sampled_from([1, 2, 4]).flatmap(lambda h: st.tuples(loaded_scale(h), loaded_scale(h))),
+    st.booleans(),
+)
 def test_resolve_kv_scales(kv: tuple[Any, Any], fnuz: bool) -> None:
     """(k, v), (v, k), k only and v only (each a case)."""
     k, v = kv

@@ -80,11 +80,19 @@ def _report_counts(request: pytest.FixtureRequest) -> Iterator[None]:
 # ------------------------------------------------------------------ writing by hand
 
 TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
-}  # fmt: skip
+}
 # dtypes torch cannot decode here, or that the format does not know.
 ODD_DTYPES = ("F8_E8M0", "U16", "U32", "U64", "F4", "F6_E2M3", "XYZ", "", "f32")
 
@@ -127,9 +135,12 @@ def pack(header: Any, data: bytes, length: int | None = None) -> bytes:
 # ------------------------------------------------------------------ strategies
 
 JSON_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**66), 2**66),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**66), 2**66),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=6),
+)
 JSON_VALUES = st.recursive(
     JSON_SCALARS,
     lambda inner: st.one_of(
@@ -148,18 +159,45 @@ SCHEMES = st.one_of(
     JSON_VALUES,
 )
 NAMES = (
-    "model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.v_scale",
-    "model.layers.{i}.self_attn.q_scale", "model.layers.{i}.self_attn.kv_scale",
-    "model.layers.{i}.self_attn.k_proj.k_scale", "model.layers.{i}.self_attn.v_proj.v_scale",
+    "model.layers.{i}.self_attn.k_scale",
+    "model.layers.{i}.self_attn.v_scale",
+    "model.layers.{i}.self_attn.q_scale",
+    "model.layers.{i}.self_attn.kv_scale",
+    "model.layers.{i}.self_attn.k_proj.k_scale",
+    "model.layers.{i}.self_attn.v_proj.v_scale",
     "model.layers.{i}.self_attn.qkv_proj.k_scale",
     "model.layers.{i}.self_attn.k_proj.output_scale",
-    "model.layers.{i}.self_attn.k_zero_point", "model.layers.{i}.self_attn.attn.k_scale",
-    "mtp.layers.{i}.self_attn.k_scale", "model.mtp_layers.{i}.self_attn.v_scale",
-    "model.layers.{i}.mlp.k_scale", "lm_head.v_scale", "model.layers.{i}.self_attn.o_proj.weight",
-    "model.embed_tokens.weight", "weird..k_scale", "model.layers.-1.self_attn.k_scale",
-)  # fmt: skip
-VALUES = st.sampled_from([0.0, -0.0, -1.0, -2.5, math.nan, math.inf, -math.inf, 1e-45, 1e-310,
-                          3.5e38, 1e300, 65504.0, 1.0, 2.5, 0.125, 448.0])  # fmt: skip
+    "model.layers.{i}.self_attn.k_zero_point",
+    "model.layers.{i}.self_attn.attn.k_scale",
+    "mtp.layers.{i}.self_attn.k_scale",
+    "model.mtp_layers.{i}.self_attn.v_scale",
+    "model.layers.{i}.mlp.k_scale",
+    "lm_head.v_scale",
+    "model.layers.{i}.self_attn.o_proj.weight",
+    "model.embed_tokens.weight",
+    "weird..k_scale",
+    "model.layers.-1.self_attn.k_scale",
+)
+VALUES = st.sampled_from(
+    [
+        0.0,
+        -0.0,
+        -1.0,
+        -2.5,
+        math.nan,
+        math.inf,
+        -math.inf,
+        1e-45,
+        1e-310,
+        3.5e38,
+        1e300,
+        65504.0,
+        1.0,
+        2.5,
+        0.125,
+        448.0,
+    ]
+)
 SHAPES = st.sampled_from([[], [1], [2], [4], [2, 1, 1], [4, 1, 1], [0], [1, 1], [2, 2], [3]])
 
 
@@ -184,11 +222,18 @@ def configs(draw: st.DrawFn) -> Any:
     if draw(st.integers(0, 15)) == 0:
         return draw(JSON_VALUES)  # not even an object
     cfg: dict[str, Any] = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
-        "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {},
-                                "kv_cache_scheme": draw(SCHEMES)},
-    }  # fmt: skip
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {},
+            "kv_cache_scheme": draw(SCHEMES),
+        },
+    }
     for key in list(cfg):
         how = draw(st.sampled_from(["keep"] * 5 + ["drop", "hostile"]))
         if how == "drop":
@@ -210,17 +255,34 @@ def configs(draw: st.DrawFn) -> Any:
 
 # Damage, and whether it must end in exit status 2.
 FATAL = {
-    "truncate": True, "header_length_long": True, "header_length_short": True,
-    "header_length_huge": True, "offsets_past_eof": True, "wrong_byte_count": True,
-    "header_not_json": True, "header_not_object": True, "entry_not_object": True,
-    "bad_shape": True, "bad_offsets": True, "empty_file": True, "index_missing_shard": True,
-    "index_garbage": True, "index_no_weight_map": True, "index_wrong_shard": True,
-    "config_garbage": True, "config_missing": True, "config_not_utf8": True, "no_weights": True,
+    "truncate": True,
+    "header_length_long": True,
+    "header_length_short": True,
+    "header_length_huge": True,
+    "offsets_past_eof": True,
+    "wrong_byte_count": True,
+    "header_not_json": True,
+    "header_not_object": True,
+    "entry_not_object": True,
+    "bad_shape": True,
+    "bad_offsets": True,
+    "empty_file": True,
+    "index_missing_shard": True,
+    "index_garbage": True,
+    "index_no_weight_map": True,
+    "index_wrong_shard": True,
+    "config_garbage": True,
+    "config_missing": True,
+    "config_not_utf8": True,
+    "no_weights": True,
     # The safetensors library (hence every engine) refuses these, and so does inspect.
-    "overlapping": True, "gap": True, "trailing_bytes": True,
+    "overlapping": True,
+    "gap": True,
+    "trailing_bytes": True,
     # A dtype name the format does not know is refused; a known one with matching bytes is not.
-    "odd_dtype_name": False, "none": False,
-}  # fmt: skip
+    "odd_dtype_name": False,
+    "none": False,
+}
 
 
 def _mutate(kind: str, root: Path, header: dict, data: bytes, draw: st.DrawFn) -> None:
@@ -422,10 +484,17 @@ def test_budget_ran() -> None:
 
 
 def _ckpt(tmp_path: Path, tensors: dict, name: str = "model.safetensors") -> Path:
-    cfg = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 4,
-           "num_key_value_heads": 2,
-           "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {},
-                                   "kv_cache_scheme": dict(FP8_KV_SCHEME)}}  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {},
+            "kv_cache_scheme": dict(FP8_KV_SCHEME),
+        },
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     header, data = safetensors_bytes(tensors)
     (tmp_path / name).write_bytes(pack(header, data))

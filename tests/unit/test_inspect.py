@@ -27,11 +27,27 @@ from kvscale_plugin.names import get_plugin_manager
 
 SCALES = {0: (0.125, 0.25), 1: (0.5, 0.75), 2: (1.5, 2.5)}
 TOP_LEVEL_KEYS = {
-    "schema_version", "tool", "kvscale_version", "model_dir", "host", "model_type",
-    "num_hidden_layers", "attention_layers", "mtp_layers", "checkpoint", "scheme", "stock",
-    "kvscale", "mapping", "problems", "layers", "tensors", "exit_status",
-    "num_kv_heads", "num_attention_heads",  # added for per-head scales (schema_version 1)
-}  # fmt: skip
+    "schema_version",
+    "tool",
+    "kvscale_version",
+    "model_dir",
+    "host",
+    "model_type",
+    "num_hidden_layers",
+    "attention_layers",
+    "mtp_layers",
+    "checkpoint",
+    "scheme",
+    "stock",
+    "kvscale",
+    "mapping",
+    "problems",
+    "layers",
+    "tensors",
+    "exit_status",
+    "num_kv_heads",
+    "num_attention_heads",  # added for per-head scales (schema_version 1)
+}
 
 
 def _strict_json(text: str) -> dict:
@@ -52,8 +68,7 @@ def _inspect(capsys, model_dir: Path, host: str = "vllm") -> tuple[int, dict]:
 
 def _view(k: float, v: float, source: str, note: str = "", k_heads=None, v_heads=None) -> dict:
     """A layer's "kvscale" entry as the JSON has it."""
-    return {"k": k, "v": v, "source": source, "note": note, "k_heads": k_heads,
-            "v_heads": v_heads}  # fmt: skip
+    return {"k": k, "v": v, "source": source, "note": note, "k_heads": k_heads, "v_heads": v_heads}
 
 
 def _layer(data: dict, index: int) -> dict:
@@ -164,14 +179,17 @@ def test_corrupt_value_is_an_error_naming_the_tensor(tiny, capsys, bad, shown):
 
 def test_non_scalar_scale_is_malformed(tiny, capsys):
     model = tiny(
-        "inspect_shape", num_layers=2, write_scales=False, scales=SCALES,
+        "inspect_shape",
+        num_layers=2,
+        write_scales=False,
+        scales=SCALES,
         extra_tensors={
             "model.layers.0.self_attn.k_scale": torch.full((2, 1, 1), 0.5),
             "model.layers.0.self_attn.v_scale": _t(0.5),
             "model.layers.1.self_attn.k_scale": _t(0.5),
             "model.layers.1.self_attn.v_scale": _t(0.5),
         },
-    )  # fmt: skip
+    )
     status, data = _inspect(capsys, model)
     assert status == 1
     assert _codes(data, "error") == {"malformed_shape"}
@@ -184,12 +202,15 @@ def test_non_scalar_scale_is_malformed(tiny, capsys):
 
 def test_integer_scale_is_malformed(tiny, capsys):
     model = tiny(
-        "inspect_int", num_layers=1, write_scales=False, scales=SCALES,
+        "inspect_int",
+        num_layers=1,
+        write_scales=False,
+        scales=SCALES,
         extra_tensors={
             "model.layers.0.self_attn.k_scale": _t(2, torch.int32),
             "model.layers.0.self_attn.v_scale": _t(0.5, torch.bfloat16),
         },
-    )  # fmt: skip
+    )
     status, data = _inspect(capsys, model)
     assert status == 1
     problem = next(p for p in data["problems"] if p["code"] == "malformed_dtype")
@@ -213,9 +234,12 @@ def test_missing_scales_with_a_supported_scheme(tiny, capsys):
 
 def test_only_one_of_k_and_v(tiny, capsys):
     model = tiny(
-        "inspect_only_k", num_layers=1, write_scales=False, scales=SCALES,
+        "inspect_only_k",
+        num_layers=1,
+        write_scales=False,
+        scales=SCALES,
         extra_tensors={"model.layers.0.self_attn.k_scale": _t(0.5)},
-    )  # fmt: skip
+    )
     status, data = _inspect(capsys, model)
     assert status == 1 and "only_one_of_kv" in _codes(data, "error")
     row = _layer(data, 0)
@@ -225,14 +249,16 @@ def test_only_one_of_k_and_v(tiny, capsys):
 
 def test_unmapped_names_and_unknown_layers(tiny, capsys):
     model = tiny(
-        "inspect_unmapped", num_layers=2, scales=SCALES,
+        "inspect_unmapped",
+        num_layers=2,
+        scales=SCALES,
         extra_tensors={
             "model.layers.7.self_attn.k_scale": _t(0.5),
             "model.layers.0.cross_block.k_scale": _t(0.5),
             "mtp.layers.0.self_attn.k_scale": _t(0.5),
             "mtp.layers.0.self_attn.v_scale": _t(0.5),
         },
-    )  # fmt: skip
+    )
     status, data = _inspect(capsys, model)
     assert status == 1
     problem = next(p for p in data["problems"] if p["code"] == "unmapped")
@@ -246,10 +272,14 @@ def test_unmapped_names_and_unknown_layers(tiny, capsys):
 
 def test_deepseek_style_mtp_layer_is_not_unmapped(tiny, tmp_path, capsys):
     src = tiny(
-        "inspect_mtp", num_layers=2, scales=SCALES,
-        extra_tensors={"model.layers.2.self_attn.k_scale": _t(0.5),
-                       "model.layers.2.self_attn.v_scale": _t(0.5)},
-    )  # fmt: skip
+        "inspect_mtp",
+        num_layers=2,
+        scales=SCALES,
+        extra_tensors={
+            "model.layers.2.self_attn.k_scale": _t(0.5),
+            "model.layers.2.self_attn.v_scale": _t(0.5),
+        },
+    )
     model = shutil.copytree(src, tmp_path / "m")
     config = json.loads((model / "config.json").read_text())
     config["num_nextn_predict_layers"] = 1
@@ -262,11 +292,16 @@ def test_deepseek_style_mtp_layer_is_not_unmapped(tiny, tmp_path, capsys):
 def test_text_config_and_hybrid_attention_layers(tiny, tmp_path, capsys):
     # Multimodal layout (text_config) with linear-attention layers that hold no KV cache.
     src = tiny(
-        "inspect_hybrid", num_layers=3, write_scales=False, scales=SCALES,
-        extra_tensors={"model.layers.2.self_attn.k_scale": _t(0.5),
-                       "model.layers.2.self_attn.v_scale": _t(0.25),
-                       "model.layers.1.self_attn.k_scale": _t(8.0, torch.float8_e4m3fn)},
-    )  # fmt: skip
+        "inspect_hybrid",
+        num_layers=3,
+        write_scales=False,
+        scales=SCALES,
+        extra_tensors={
+            "model.layers.2.self_attn.k_scale": _t(0.5),
+            "model.layers.2.self_attn.v_scale": _t(0.25),
+            "model.layers.1.self_attn.k_scale": _t(8.0, torch.float8_e4m3fn),
+        },
+    )
     model = shutil.copytree(src, tmp_path / "m")
     config = json.loads((model / "config.json").read_text())
     del config["num_hidden_layers"]
@@ -295,12 +330,14 @@ def test_text_config_and_hybrid_attention_layers(tiny, tmp_path, capsys):
 
 def test_conflicting_and_duplicate_tensors(tiny, capsys):
     model = tiny(
-        "inspect_conflict", num_layers=2, scales=SCALES,
+        "inspect_conflict",
+        num_layers=2,
+        scales=SCALES,
         extra_tensors={
             "model.layers.0.self_attn.k_proj.k_scale": _t(9.0),  # differs from 0.125
             "model.layers.1.self_attn.k_proj.k_scale": _t(0.5),  # same as the stored 0.5
         },
-    )  # fmt: skip
+    )
     status, data = _inspect(capsys, model)
     assert status == 1
     assert "conflicting_scales" in _codes(data, "error")
@@ -322,10 +359,15 @@ def test_no_scheme_changes_nothing(tiny, capsys):
 
 def test_scales_without_scheme_are_a_warning(tiny, capsys):
     model = tiny(
-        "inspect_scales_noscheme", num_layers=1, kv_cache_scheme=None, scales=SCALES,
-        extra_tensors={"model.layers.0.self_attn.k_scale": _t(0.5),
-                       "model.layers.0.self_attn.v_scale": _t(0.5)},
-    )  # fmt: skip
+        "inspect_scales_noscheme",
+        num_layers=1,
+        kv_cache_scheme=None,
+        scales=SCALES,
+        extra_tensors={
+            "model.layers.0.self_attn.k_scale": _t(0.5),
+            "model.layers.0.self_attn.v_scale": _t(0.5),
+        },
+    )
     status, data = _inspect(capsys, model)
     assert status == 0 and _codes(data) == {"scales_without_scheme"}
     assert _layer(data, 0)["kvscale"]["source"] == "none"
@@ -402,9 +444,12 @@ def test_third_party_rule_is_used(tiny, capsys):
             return None
 
     model = tiny(
-        "inspect_custom_names", num_layers=1, write_scales=False, scales=SCALES,
+        "inspect_custom_names",
+        num_layers=1,
+        write_scales=False,
+        scales=SCALES,
         extra_tensors={"model.layers.0.kvq.key": _t(0.5), "model.layers.0.kvq.value": _t(0.25)},
-    )  # fmt: skip
+    )
     pm = get_plugin_manager()
     plugin = Rules()
     pm.register(plugin, name="test-inspect-rules")
@@ -435,15 +480,31 @@ def test_json_schema(tiny, capsys):
     assert row["kvscale"]["k_heads"] is None and data["scheme"]["per_head"] is False
     assert data["num_kv_heads"] == 2 and data["num_attention_heads"] == 4
     assert set(data["tensors"][0]) == {
-        "name", "file", "dtype", "shape", "value", "values", "heads", "kind", "naming", "target",
-        "layer", "problems"
-    }  # fmt: skip
+        "name",
+        "file",
+        "dtype",
+        "shape",
+        "value",
+        "values",
+        "heads",
+        "kind",
+        "naming",
+        "target",
+        "layer",
+        "problems",
+    }
     assert data["mapping"] == [
-        {"pattern": "model.layers.{i}.self_attn.k_scale",
-         "target": "model.layers.{i}.self_attn.attn.k_scale", "count": 3},
-        {"pattern": "model.layers.{i}.self_attn.v_scale",
-         "target": "model.layers.{i}.self_attn.attn.v_scale", "count": 3},
-    ]  # fmt: skip
+        {
+            "pattern": "model.layers.{i}.self_attn.k_scale",
+            "target": "model.layers.{i}.self_attn.attn.k_scale",
+            "count": 3,
+        },
+        {
+            "pattern": "model.layers.{i}.self_attn.v_scale",
+            "target": "model.layers.{i}.self_attn.attn.v_scale",
+            "count": 3,
+        },
+    ]
 
 
 def test_text_output_problems_first_then_a_row_per_layer(tiny, capsys):
@@ -500,8 +561,10 @@ def test_console_script_module(tiny):
     model = tiny("inspect_cli_nan", num_layers=2, scales=scales)
     proc = subprocess.run(
         [sys.executable, "-m", "kvscale_plugin.cli", "inspect", str(model), "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
     data = _strict_json(proc.stdout)
     assert data["exit_status"] == 1
@@ -513,8 +576,11 @@ def test_console_script_module(tiny):
 
 ATTN_HEAD = {**FP8_KV_SCHEME, "strategy": "attn_head"}
 # k / v per layer and KV head (the tiny Llama has 2 KV heads, 4 attention heads); exact in f32.
-HEAD_SCALES = {0: ([3.125, 4.75], [0.5, 0.25]), 1: ([1.5, 1.0], [2.0, 2.5]),
-               2: ([0.125, 0.375], [6.0, 5.5])}  # fmt: skip
+HEAD_SCALES = {
+    0: ([3.125, 4.75], [0.5, 0.25]),
+    1: ([1.5, 1.0], [2.0, 2.5]),
+    2: ([0.125, 0.375], [6.0, 5.5]),
+}
 
 
 def _heads(*values: float) -> torch.Tensor:
@@ -535,8 +601,14 @@ def _per_head_tensors(naming: str = "self_attn", **replace: torch.Tensor) -> dic
 
 
 def _per_head_model(tiny, name: str, tensors: dict) -> Path:
-    return tiny(name, num_layers=3, kv_cache_scheme=ATTN_HEAD, write_scales=False,
-                scales=SCALES, extra_tensors=tensors)  # fmt: skip
+    return tiny(
+        name,
+        num_layers=3,
+        kv_cache_scheme=ATTN_HEAD,
+        write_scales=False,
+        scales=SCALES,
+        extra_tensors=tensors,
+    )
 
 
 def test_per_head_checkpoint_is_clean(tiny, capsys):
@@ -555,8 +627,14 @@ def test_per_head_checkpoint_is_clean(tiny, capsys):
         # kvscale: every head as stored; the per-layer number is the max over heads.
         assert row["kvscale"] == _view(max(k), max(v), "checkpoint", "", k, v)
         # Stock vLLM 0.32 loads them per head as well (_k_scale_float = max).
-        assert row["stock"] == {"k": max(k), "v": max(v), "outcome": "loads", "note": "",
-                                "k_heads": k, "v_heads": v}  # fmt: skip
+        assert row["stock"] == {
+            "k": max(k),
+            "v": max(v),
+            "outcome": "loads",
+            "note": "",
+            "k_heads": k,
+            "v_heads": v,
+        }
     assert data["stock"]["outcome"] == "starts" and "per KV head (2)" in data["stock"]["summary"]
     assert data["kvscale"]["outcome"] == "starts"
     assert "per-layer max" in data["kvscale"]["summary"]
@@ -646,8 +724,9 @@ def test_per_head_legacy_kv_scale_is_used_for_k_and_v(tiny, capsys):
         row = _layer(data, i)
         assert row["k"]["naming"] == "kv_scale" and row["k"]["values"] == kv
         assert row["v"] is None
-        assert row["kvscale"] == _view(max(kv), max(kv), "duplicated",
-                                       "one scale used for k and v", kv, kv)  # fmt: skip
+        assert row["kvscale"] == _view(
+            max(kv), max(kv), "duplicated", "one scale used for k and v", kv, kv
+        )
         assert row["stock"]["k_heads"] == kv and row["stock"]["v_heads"] == [1.0, 1.0]
         assert "v_scale stays 1.0" in row["stock"]["note"]
 
@@ -669,8 +748,13 @@ def test_per_tensor_scalar_under_attn_head_is_a_shape_error(tiny, capsys):
 
 
 def test_per_head_scales_in_a_per_tensor_scheme_are_malformed(tiny, capsys):
-    model = tiny("inspect_heads_in_tensor_scheme", num_layers=3, write_scales=False,
-                 scales=SCALES, extra_tensors=_per_head_tensors())  # fmt: skip
+    model = tiny(
+        "inspect_heads_in_tensor_scheme",
+        num_layers=3,
+        write_scales=False,
+        scales=SCALES,
+        extra_tensors=_per_head_tensors(),
+    )
     status, data = _inspect(capsys, model)
     assert status == 1 and _codes(data, "error") == {"malformed_shape"}
     assert not data["scheme"]["per_head"]
@@ -687,7 +771,7 @@ def test_per_head_head_count_from_config(tiny, tmp_path, capsys, layout):
         config["text_config"] = {
             key: config.pop(key)
             for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-        }  # fmt: skip
+        }
     else:
         del config["num_key_value_heads"]  # then every attention head has its own KV head
     (model / "config.json").write_text(json.dumps(config))
@@ -702,8 +786,9 @@ def test_per_head_head_count_from_config(tiny, tmp_path, capsys, layout):
 
 def test_per_head_without_config_groups_fails_stock(tiny, tmp_path, capsys):
     # vLLM passes the head counts to the attn_head loader only when config_groups is there.
-    model = shutil.copytree(_per_head_model(tiny, "inspect_heads", _per_head_tensors()),
-                            tmp_path / "m")  # fmt: skip
+    model = shutil.copytree(
+        _per_head_model(tiny, "inspect_heads", _per_head_tensors()), tmp_path / "m"
+    )
     config = json.loads((model / "config.json").read_text())
     del config["quantization_config"]["config_groups"]
     (model / "config.json").write_text(json.dumps(config))

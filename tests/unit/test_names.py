@@ -65,6 +65,8 @@ def test_legacy_kv_scale_warns_once(kvscale_warnings):
     ],
 )
 def test_names_attention_layer(target, expected):
-    layers = ["language_model.model.layers.0.self_attn.attn",
-              "language_model.model.layers.1.self_attn.attn"]
+    layers = [
+        "language_model.model.layers.0.self_attn.attn",
+        "language_model.model.layers.1.self_attn.attn",
+    ]
     assert names_attention_layer(target, layers) is expected

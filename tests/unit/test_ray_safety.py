@@ -37,8 +37,13 @@ import pytest
 
 from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
 
-QUANT_CONFIG = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense",
-                "ignore": [], "kv_cache_scheme": dict(FP8_KV_SCHEME)}  # fmt: skip
+QUANT_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {},
+    "format": "dense",
+    "ignore": [],
+    "kv_cache_scheme": dict(FP8_KV_SCHEME),
+}
 
 # Run in a fresh interpreter: a pickled KVScaleConfig (what a Ray actor receives) is
 # unpickled first, then vLLM's own plugin loader runs, twice, then register() from 8
@@ -104,8 +109,13 @@ pickle.dump(KVScaleConfig.from_config(json.loads(sys.argv[2])), open(sys.argv[1]
 def bare_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     tmp_path = tmp_path_factory.mktemp("ray")
     path = tmp_path / "config.pkl"
-    proc = subprocess.run([sys.executable, "-c", BARE, str(path), json.dumps(QUANT_CONFIG)],
-                          env=_clean_env(tmp_path), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", BARE, str(path), json.dumps(QUANT_CONFIG)],
+        env=_clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     return proc, path
 
 
@@ -116,15 +126,22 @@ def pickled_config(bare_run: tuple[subprocess.CompletedProcess, Path]) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_register_twice_in_a_bare_process(bare_run: tuple[subprocess.CompletedProcess, Path]):
     """Nothing else in the process: no config, no engine, no vLLM import beforehand."""
     proc, _ = bare_run
     assert proc.returncode == 0 and "BARE-OK" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_register_in_a_fresh_worker_process(pickled_config: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(pickled_config)],
-                          env=_clean_env(tmp_path), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, str(pickled_config)],
+        env=_clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0 and "WORKER-OK 8" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -148,6 +165,7 @@ def test_register_holds_no_driver_state():
     assert isinstance(host._lock, type(threading.Lock()))
 
 
+@pytest.mark.slow
 def test_pickled_config_carries_no_live_layers(pickled_config: Path) -> None:
     """What travels to a worker: the verdict and names, not the driver's layer registry
     (checked in a fresh process by test_register_in_a_fresh_worker_process; here the

@@ -31,11 +31,15 @@ def test_rule_package_is_installed():
 
 
 def test_third_party_rule_is_consulted(fresh_manager):
-    assert (map_scale_name("model.layers.4.attention.kv_quant.k", "vllm")
-            == "model.layers.4.self_attn.attn.k_scale")
+    assert (
+        map_scale_name("model.layers.4.attention.kv_quant.k", "vllm")
+        == "model.layers.4.self_attn.attn.k_scale"
+    )
     # Built-ins still answer for everything else.
-    assert (map_scale_name("model.layers.4.self_attn.k_scale", "sglang")
-            == "model.layers.4.self_attn.attn.k_scale")
+    assert (
+        map_scale_name("model.layers.4.self_attn.k_scale", "sglang")
+        == "model.layers.4.self_attn.attn.k_scale"
+    )
 
 
 def test_third_party_rules_run_before_builtins(fresh_manager):

@@ -186,15 +186,11 @@ def _define_classes() -> dict[str, type]:
                 k_scale, v_scale = layer._kvscale_k_max, layer._kvscale_v_max
             else:
                 k_scale, v_scale = layer._k_scale, layer._v_scale
-            fp8_cache_write(
-                key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
-            )
+            fp8_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
         def forward(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not (
-                self.kvscale_cache_ok
-                and layer._k_scale.numel() > 1
-                and is_kvscale_layer(layer)
+                self.kvscale_cache_ok and layer._k_scale.numel() > 1 and is_kvscale_layer(layer)
             ):
                 return super().forward(layer, *args, **kwargs)
             # The same per-layer max the cache was written with, for the read.

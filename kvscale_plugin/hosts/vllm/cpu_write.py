@@ -253,9 +253,16 @@ def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.
     key_cache, value_cache = theirs.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, dim=2)
     try:
         ops.cpu_attn_reshape_and_cache(
-            key, value, key_cache, value_cache, slots, isa,
-            k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp8",
-        )  # fmt: skip
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slots,
+            isa,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="fp8",
+        )
         cpu_fp8_cache_write(key, value, ours, slots, 1.0, 1.0, isa)
     except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
         logger.debug("kvscale: layout check for %s failed: %s", isa, exc)

@@ -209,7 +209,9 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 requires_grad=False,
             )
             param.weight_loader = _scale_loader(
-                cfg.corrupt_scales, f"{layer_name}.{name}", heads if per_head else None,
+                cfg.corrupt_scales,
+                f"{layer_name}.{name}",
+                heads if per_head else None,
                 is_query=name == "q_scale",
             )
             # A dummy load must leave the placeholder, not tiny random "scales".
@@ -260,7 +262,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                     "per-head-cpu",
                     "kvscale: per-head KV scales: vLLM's CPU attention takes one scale per "
                     "layer, so the FP8 cache is written and read with each layer's max over "
-                    "its heads (nothing clips)."
+                    "its heads (nothing clips).",
                 )
         else:
             resolved = unscaled()
