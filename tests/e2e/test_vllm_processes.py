@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from _server import openai_server
 
-from kvscale_plugin.demo.probe import KV_CACHE_BYTES, layer_index, vllm_engine
+from kvscale_plugin.demo.probe import layer_index, vllm_engine
 from kvscale_plugin.demo.tinymodels import read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
@@ -76,12 +74,6 @@ def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
     assert result["tokens"] == _greedy_tokens_in_process(ckpt, ids)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_openai_server_answers_like_in_process_engine(tiny, tmp_path):
     # `k_proj.output_scale` naming: stock vLLM 0.32 refuses to start on it (an
     # AttributeError, test_vllm_engine.py), so a server that answers at all has run the
@@ -89,71 +81,17 @@ def test_openai_server_answers_like_in_process_engine(tiny, tmp_path):
     # unknown method in the API-server process without the entry point.
     ckpt = tiny("output_scale", num_layers=2, naming="output_scale")
     ids = list(reference_token_ids(ckpt))[:24]
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(ckpt),
-        "--quantization",
-        "kvscale",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--block-size",
-        "32",
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "512",
-        "--kv-cache-memory-bytes",
-        str(KV_CACHE_BYTES),
-        "--seed",
-        "0",
-    ]
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(cmd, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not become ready in 180 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        body = json.dumps(
-            {
-                "model": str(ckpt),
-                "prompt": ids,
-                "max_tokens": 8,
-                "temperature": 0.0,
-                "return_token_ids": True,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answer = json.loads(r.read())
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+    with openai_server(ckpt, tmp_path) as server:
+        body = {
+            "model": str(ckpt),
+            "prompt": ids,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        answer = server.post("/v1/completions", body)
     choice = answer["choices"][0]
     tokens = choice.get("token_ids")
     assert tokens, answer
-    server_log = (tmp_path / "server.log").read_text()
-    assert "Failed to load plugin" not in server_log
+    assert "Failed to load plugin" not in server.log.read_text()
     assert tokens == _greedy_tokens_in_process(ckpt, ids)
