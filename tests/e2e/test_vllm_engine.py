@@ -288,3 +288,21 @@ def test_reload_on_fnuz_doubles_once(tiny, monkeypatch):
                 want = stored[layer_index(name)]
                 assert (s.k, s.k_float, s.k_cpu) == pytest.approx((2 * want["k"],) * 3, rel=1e-6)
                 assert (s.v, s.v_float, s.v_cpu) == pytest.approx((2 * want["v"],) * 3, rel=1e-6)
+
+
+def test_real_reload_without_scales_after_a_dummy_start_is_reported(tiny, kvscale_warnings):
+    """vLLM's in-place reload never calls the KV method of an attention layer that gets
+    no tensor; kvscale still says once (per engine) that the reloaded checkpoint declares
+    a scheme but carries no scales, instead of keeping 1.0 silently."""
+    first = tiny("default", num_layers=2)
+    missing = tiny("scales-missing", num_layers=2, write_scales=False)
+    with vllm_engine(first, quantization="kvscale", load_format="dummy") as llm:
+        assert kvscale_warnings("reloaded weights carry no") == []
+        reload_weights(llm, missing)
+        assert all(s.k == s.v == 1.0 for s in layer_scales(llm).values())
+        said = kvscale_warnings("reloaded weights carry no")
+        assert len(said) == 1 and "model.layers.0.self_attn.attn" in said[0], said
+        reload_weights(llm, first)  # scales again: loaded, nothing more said
+        assert_scales_equal_checkpoint(layer_scales(llm), read_stored_scales(first))
+        reload_weights(llm, missing)  # once per engine, not per reload
+        assert len(kvscale_warnings("reloaded weights carry no")) == 1

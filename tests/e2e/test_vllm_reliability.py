@@ -201,7 +201,7 @@ def test_reload_storm(tiny, kvscale_warnings):
             reload_weights(llm, ckpt)
             # A checkpoint without scales: vLLM's layerwise reload restores the attention
             # layers' previous tensors and never calls the KV method for them, so the
-            # previous scales stay (the other weights are reloaded).
+            # previous scales stay (the other weights are reloaded); kvscale warns once.
             expected = expected if label == "none" else label
             now = layer_scales(llm)
             assert sorted(now) == sorted(first)
@@ -232,6 +232,8 @@ def test_reload_storm(tiny, kvscale_warnings):
         f"warnings during the storm: {len(missing)}"
     )
     assert growth < 50 * 2**20
+    # The no-scales reloads keep the previous scales, and say so once for the engine.
+    assert len(missing) == 1 and "reloaded weights carry no" in missing[0], missing
 
 
 # ------------------------------------------------------------------ no code from checkpoints

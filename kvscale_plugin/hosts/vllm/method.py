@@ -31,7 +31,7 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import info_once
+from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
@@ -450,6 +450,62 @@ def _explicit_fp8_cache() -> bool:
     return isinstance(dtype, str) and is_quantized_kv_cache(dtype)
 
 
+def _layers_reloaded_without_scales(model: torch.nn.Module) -> dict[str, KVScaleConfig]:
+    """kvscale attention layers that the reload in progress gave no tensor at all
+    (vLLM then puts their old tensors back and never calls the KV method)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    found: dict[str, KVScaleConfig] = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, KVScaleKVCacheMethod):
+            continue
+        cfg = method.quant_config
+        if not (cfg.kv_verdict.supported and is_quantized_kv_cache(module.kv_cache_dtype)):
+            continue
+        if get_layerwise_info(module).load_numel <= 0:
+            found[getattr(module, "layer_name", name)] = cfg
+    return found
+
+
+_RELOAD_WRAPPED = "__kvscale_reload_check__"
+
+
+def install_reload_check() -> None:
+    """Idempotent: after an in-place reload (``collective_rpc("reload_weights")``, RL
+    weight sync), report the layers whose reloaded weights carried no k/v scales while
+    the checkpoint declares a scheme -- vLLM gives no per-layer hook for them."""
+    from vllm.model_executor.model_loader.reload import inplace
+
+    original = inplace.finalize_layerwise_reload
+    if getattr(original, _RELOAD_WRAPPED, False):
+        return
+
+    def finalize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        silent = _layers_reloaded_without_scales(model)
+        result = original(model, *args, **kwargs)
+        if silent:
+            cfg = next(iter(silent.values()))
+            names = sorted(silent)
+            shown = ", ".join(names[:4]) + (
+                f", ... ({len(names)} layers)" if len(names) > 4 else ""
+            )
+            warn_once(
+                f"{cfg.warn_scope}reload-without-scales",
+                "kvscale: the reloaded weights carry no k_scale/v_scale tensors for %s, "
+                "although the checkpoint declares a kv_cache_scheme; those layers keep the "
+                "scales they had (1.0 after a dummy start). Reload a checkpoint with "
+                "calibrated KV scales (kvscale calibrate), or serve with a bf16 KV cache.",
+                shown,
+            )
+        return result
+
+    setattr(finalize_layerwise_reload, _RELOAD_WRAPPED, True)
+    finalize_layerwise_reload.__wrapped__ = original  # type: ignore[attr-defined]
+    inplace.finalize_layerwise_reload = finalize_layerwise_reload
+
+
 def register_quantization() -> None:
     register_quantization_config(QUANTIZATION_METHOD)(KVScaleConfig)
     install_name_parity()
+    install_reload_check()
