@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -39,6 +38,8 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
+
+from kvscale_plugin.demo.quality import TeacherForced, compare, teacher_forced  # noqa: E402
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
 KV_CACHE_BYTES = 256 * 2**20
@@ -132,21 +133,6 @@ def eval_token_chunks(model_dir: Path, max_tokens: int, chunk: int) -> list[list
     return [ids[i : i + chunk] for i in range(0, len(ids), chunk) if len(ids[i : i + chunk]) > 1]
 
 
-def teacher_forced(llm: Any, chunks: Sequence[Sequence[int]]) -> list[float]:
-    from vllm import SamplingParams
-
-    outs = llm.generate(
-        [{"prompt_token_ids": list(c)} for c in chunks],
-        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
-        use_tqdm=False,
-    )
-    result = []
-    for c, out in zip(chunks, outs, strict=True):
-        for tok, entry in zip(c[1:], out.prompt_logprobs[1:], strict=True):
-            result.append(float(entry[tok].logprob))
-    return result
-
-
 def run_engine(
     model_dir: Path,
     chunks,
@@ -155,7 +141,7 @@ def run_engine(
     kv_cache_dtype: str,
     write: str,
     max_model_len: int,
-) -> list[float]:
+) -> TeacherForced:
     from kvscale_plugin.demo.probe import vllm_engine
 
     os.environ[ENV_VAR] = write
@@ -171,15 +157,6 @@ def run_engine(
             return teacher_forced(llm, chunks)
     finally:
         os.environ.pop(ENV_VAR, None)
-
-
-def compare(run: Sequence[float], ref: Sequence[float]) -> dict[str, float]:
-    diffs = [abs(a - b) for a, b in zip(run, ref, strict=True)]
-    return {
-        "mean": statistics.fmean(diffs),
-        "max": max(diffs),
-        "ppl": float(torch.tensor(run).neg().mean().exp()),
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write="rne",
         max_model_len=max_len,
     )
-    ref_ppl = float(torch.tensor(ref).neg().mean().exp())
+    ref_ppl = compare(ref, ref).ppl
     rows = []
     for label, ckpt in variants.items():
         lo, hi = read_scales(ckpt)
@@ -243,15 +220,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, lo, hi, res in rows:
         for name, r in res.items():
             print(
-                f"{label:<11} {lo:8.4g} - {hi:<8.4g} {name:<21} {r['mean']:10.4f} "
-                f"{r['max']:9.3f} {r['ppl']:8.3f}"
+                f"{label:<11} {lo:8.4g} - {hi:<8.4g} {name:<21} {r.mean_abs_dlogprob:10.4f} "
+                f"{r.max_abs_dlogprob:9.3f} {r.ppl:8.3f}"
             )
     print()
     ok = True
     for label, _, _, res in rows:
-        stock, ours = res["stock FP8"]["mean"], res["kvscale FP8"]["mean"]
+        stock = res["stock FP8"].mean_abs_dlogprob
+        ours = res["kvscale FP8"].mean_abs_dlogprob
         gain = 1 - ours / stock if stock else float("nan")
-        same = res["kvscale, vLLM write"]["mean"] == stock
+        same = res["kvscale, vLLM write"].mean_abs_dlogprob == stock
         ok &= gain >= 0.25
         print(
             f"{label:<11} kvscale vs stock: {100 * gain:5.1f}% lower mean |dlogprob| "

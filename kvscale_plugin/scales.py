@@ -93,6 +93,18 @@ def per_head_shape_ok(shape: Sequence[int], num_heads: int) -> bool:
     return len(shape) >= 1 and shape[0] == num_heads and all(d == 1 for d in shape[1:])
 
 
+def rank_kv_heads(total_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, ...]:
+    """The checkpoint KV heads one tensor-parallel rank holds (vLLM's and SGLang's rule):
+    partitioned when ``total_kv_heads >= tp_size``, else each head replicated on
+    ``tp_size // total_kv_heads`` consecutive ranks."""
+    if total_kv_heads <= 0 or tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"bad layout: {total_kv_heads} KV heads, rank {tp_rank} of {tp_size}")
+    if total_kv_heads >= tp_size:
+        per_rank = total_kv_heads // tp_size
+        return tuple(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
+    return (tp_rank // (tp_size // total_kv_heads),)
+
+
 def scale_problems(
     name: str, value: torch.Tensor | float, *, num_heads: int | None = None
 ) -> dict[str, str]:

@@ -212,7 +212,7 @@ def test_explicit_bf16_cache_wins_over_per_head_scheme(tiny):
     ],
 )
 def test_rank_kv_heads_partitions_or_replicates(total, size, expected):
-    from kvscale_plugin.hosts.sglang.method import rank_kv_heads
+    from kvscale_plugin.scales import rank_kv_heads
 
     assert [rank_kv_heads(total, rank, size) for rank in range(size)] == expected
 

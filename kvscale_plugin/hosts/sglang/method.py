@@ -54,6 +54,7 @@ from kvscale_plugin.scales import (
     ResolvedScales,
     ScaleSource,
     format_corrupt_scales,
+    rank_kv_heads,
     resolve_kv_scales,
     scale_problems,
     unscaled,
@@ -132,18 +133,6 @@ class HeadPlacement:
     total: int
     heads: tuple[int, ...] | None
     problem: str | None = None
-
-
-def rank_kv_heads(total_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, ...]:
-    """The KV heads one attention TP rank holds (SGLang's and vLLM's rule): partitioned
-    when ``total_kv_heads >= tp_size``, else each head replicated on
-    ``tp_size // total_kv_heads`` consecutive ranks."""
-    if total_kv_heads <= 0 or tp_size <= 0 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"bad layout: {total_kv_heads} KV heads, rank {tp_rank} of {tp_size}")
-    if total_kv_heads >= tp_size:
-        per_rank = total_kv_heads // tp_size
-        return tuple(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
-    return (tp_rank // (tp_size // total_kv_heads),)
 
 
 def place_kv_heads(

@@ -50,6 +50,7 @@ from kvscale_plugin.scales import (
     ScaleSource,
     format_corrupt_scales,
     per_head_shape_ok,
+    rank_kv_heads,
     resolve_kv_scales,
     scale_problems,
     unscaled,
@@ -284,15 +285,13 @@ class _HeadLayout:
 
     def __init__(self, total_kv: int, total_q: int, local: int, rank: int, size: int) -> None:
         self.total_kv, self.total_q, self.local = total_kv, total_q, local
-        if local * size == total_kv:
-            self.start = rank * local
-        else:
-            if local != 1 or size % total_kv:
-                raise ValueError(
-                    f"kvscale: cannot place {total_kv} KV heads on {size} tensor-parallel "
-                    f"ranks holding {local} head(s) each"
-                )
-            self.start = rank // (size // total_kv)
+        heads = rank_kv_heads(total_kv, rank, size)
+        if len(heads) != local:
+            raise ValueError(
+                f"kvscale: cannot place {total_kv} KV heads on {size} tensor-parallel "
+                f"ranks holding {local} head(s) each"
+            )
+        self.start = heads[0]
 
     @classmethod
     def for_layer(cls, cfg: KVScaleConfig, layer: torch.nn.Module) -> _HeadLayout:
