@@ -54,3 +54,6 @@ if __name__ == "__main__":
         for tok, entry in zip(ids[1:], out[0].prompt_logprobs[1:], strict=True)
     ]
     print("RESULT " + json.dumps({"scales": scales, "logprobs": logprobs}), flush=True)
+    # Stop the PP workers now rather than in interpreter teardown, where vLLM's CPU
+    # workers have been seen to abort ("terminate called without an active exception").
+    llm.llm_engine.engine_core.shutdown()
