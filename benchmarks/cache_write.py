@@ -14,8 +14,12 @@ fill consecutive slots of randomly ordered blocks.
 
 Bytes moved per token and head: read 2 x head_size x input bytes, write
 2 x head_size. GB/s counts those bytes only; "% peak" divides by the device's
-memory bandwidth (table below, or --peak-gbps). "x vLLM CUDA" is vLLM's CUDA
-``reshape_and_cache_flash`` time over this row's time (above 1: faster).
+memory bandwidth (table below, or --peak-gbps). "x CUDA base" is the CUDA
+baseline's time over this row's time (above 1: faster): vLLM's CUDA
+``reshape_and_cache_flash`` where a vLLM GPU build is importable, else the same design
+re-implemented in benchmarks/cuda_baseline.py (CuPy/NVRTC; labelled so). Where vLLM is
+not installed, ``--vllm-triton-copy`` runs vLLM's Triton cache write from a copy made
+by benchmarks/vendor_vllm_triton.py.
 "bytes != ref" is the share of cache bytes that differ from the torch
 reference (NaN compared as a class). Without a GPU only the reference runs.
 """
@@ -24,10 +28,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,7 +118,35 @@ def make_case(
     )
 
 
-def implementations(device: torch.device) -> tuple[dict[str, Callable[[Case], None]], list[str]]:
+STAND_IN = "CUDA per-token (vLLM design)"
+
+
+def _load_module(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_copy(path: str) -> Callable[..., None]:
+    """vLLM's Triton cache write from a copy made by benchmarks/vendor_vllm_triton.py."""
+    return _load_module(path).triton_reshape_and_cache_flash
+
+
+def _vllm_call(op: Callable[..., None]) -> Callable[[Case], None]:
+    """A vLLM cache write (CUDA op or Triton launcher: same arguments) on a ``Case``."""
+
+    def run(c: Case) -> None:
+        op(c.key, c.value, c.key_cache, c.value_cache, c.slot_mapping, "fp8", c.k_scale, c.v_scale)
+
+    return run
+
+
+def implementations(
+    device: torch.device, vllm_triton_copy: str | None = None
+) -> tuple[dict[str, Callable[[Case], None]], list[str]]:
     """The contenders this machine can run, and a note for each one it cannot."""
     from kvscale_plugin.kernels import fp8_cache_write, fp8_cache_write_reference
 
@@ -134,21 +169,18 @@ def implementations(device: torch.device) -> tuple[dict[str, Callable[[Case], No
 
         torch.ops._C_cache_ops.reshape_and_cache_flash  # noqa: B018 - raises if not built
 
-        def vllm_cuda(c: Case) -> None:
-            ops.reshape_and_cache_flash(
-                c.key,
-                c.value,
-                c.key_cache,
-                c.value_cache,
-                c.slot_mapping,
-                "fp8",
-                c.k_scale,
-                c.v_scale,
-            )
-
-        impls["vLLM CUDA reshape_and_cache_flash"] = vllm_cuda
+        impls["vLLM CUDA reshape_and_cache_flash"] = _vllm_call(ops.reshape_and_cache_flash)
     except (ImportError, AttributeError, RuntimeError) as exc:
         notes.append(f"vLLM CUDA reshape_and_cache_flash unavailable: {exc}")
+        try:
+            stand_in = _load_module(str(Path(__file__).with_name("cuda_baseline.py")))
+            impls[STAND_IN] = stand_in.make_cuda_baseline()
+            notes.append(
+                f"baseline '{STAND_IN}': vLLM's reshape_and_cache_flash design re-implemented "
+                "(benchmarks/cuda_baseline.py), compiled with NVRTC; not vLLM's binary"
+            )
+        except Exception as exc2:  # noqa: BLE001 - a benchmark baseline is optional
+            notes.append(f"CUDA stand-in unavailable: {type(exc2).__name__}: {exc2}")
 
     def ours(conversion: str) -> Callable[[Case], None]:
         def run(c: Case) -> None:
@@ -173,26 +205,20 @@ def implementations(device: torch.device) -> tuple[dict[str, Callable[[Case], No
             f"kvscale hardware conversion needs sm_89+ (this is sm_{capability[0]}{capability[1]})"
         )
     try:
-        from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
-            triton_reshape_and_cache_flash,
-        )
+        try:
+            from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+                triton_reshape_and_cache_flash,
+            )
+        except ImportError:
+            if not vllm_triton_copy:
+                raise
+            triton_reshape_and_cache_flash = _load_copy(vllm_triton_copy)
+            notes.append(f"vLLM triton_reshape_and_cache_flash: copied source {vllm_triton_copy}")
 
         if capability < (8, 9):
             raise RuntimeError("needs native fp8e4nv (sm_89+)")
 
-        def vllm_triton(c: Case) -> None:
-            triton_reshape_and_cache_flash(
-                c.key,
-                c.value,
-                c.key_cache,
-                c.value_cache,
-                c.slot_mapping,
-                "fp8",
-                c.k_scale,
-                c.v_scale,
-            )
-
-        impls["vLLM triton_reshape_and_cache_flash"] = vllm_triton
+        impls["vLLM triton_reshape_and_cache_flash"] = _vllm_call(triton_reshape_and_cache_flash)
     except (ImportError, RuntimeError) as exc:
         notes.append(f"vLLM triton_reshape_and_cache_flash unavailable: {exc}")
     impls["torch reference"] = reference
@@ -250,13 +276,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--peak-gbps", type=float, default=None, help="device memory bandwidth")
     parser.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays")
+    parser.add_argument(
+        "--vllm-triton-copy",
+        default=None,
+        help="where vLLM is not installed: a copy of its Triton cache write "
+        "(made by benchmarks/vendor_vllm_triton.py)",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else DECODE_TOKENS + PREFILL_TOKENS)
     # Milliseconds of timing per point on a GPU (triton's do_bench), repetitions on the CPU.
     reps = (10 if args.smoke else 100) if device.type == "cuda" else (3 if args.smoke else 20)
-    impls, notes = implementations(device)
+    impls, notes = implementations(device, args.vllm_triton_copy)
     peak = peak_gbps(device, args.peak_gbps)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -270,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     for note in notes:
         print(f"# {note}")
     header = f"{'tokens':>6}  {'implementation':<36} {'us':>10} {'GB/s':>9} {'% peak':>7} "
-    header += f"{'x vLLM CUDA':>11} {'bytes != ref':>12}"
+    header += f"{'x CUDA base':>11} {'bytes != ref':>12}"
     print(header)
     baseline_name = "vLLM CUDA reshape_and_cache_flash"
     for num_tokens in tokens:
@@ -286,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
             wrong = mismatch_share(case.kv_cache, expected)
             graph = args.cuda_graph and name != "torch reference"  # the oracle syncs
             results[name] = (time_us(lambda f=fn, c=case: f(c), device, reps, graph), wrong)
-        base_us = results.get(baseline_name, (None, 0.0))[0]
+        base_us = results.get(baseline_name, results.get(STAND_IN, (None, 0.0)))[0]
         for name, (us, wrong) in results.items():
             gbps = case.bytes_moved / (us * 1e-6) / 1e9
             pct = f"{100 * gbps / peak:6.1f}%" if peak else "    n/a"

@@ -20,12 +20,28 @@ contiguous bytes, K first, then V:
 the host adapter re-checks it against vLLM's own op before first use). Other ISAs
 ("amx", ...) lay the cache out differently and are not handled here.
 
-Pure torch, no host import: vectorised (``index_put_`` on ``uint8`` views, no
-Python loop over tokens), any strides for ``key`` / ``value`` (slices of a fused
-qkv tensor are fine).
+Pure torch, no host import, no Python loop over tokens; any strides for ``key`` /
+``value`` (slices of a fused qkv tensor are fine). The write sits on every layer of
+every model step, where torch's per-op overhead (a few microseconds per op, more
+with the caches cold inside an engine) is its whole cost at decode sizes. So it is
+split in two:
+
+- ``plan_write(slot_mapping, geometry)``: the byte offset of every K and V element
+  in the cache (int64, ``[tokens, 2, heads, head_size]`` flattened) and scratch
+  tensors; a dozen small ops, once per model step, shared by every layer whose cache
+  has that geometry (``cache_target``).
+- ``write_planned(key, value, flat, plan, k_scale, v_scale)``: per layer, six ops
+  whatever the size: K and V copied (widened) into the plan's fp32 scratch, one
+  in-place division by the (K, V) scale pair, one in-place clamp, one conversion to
+  e4m3 (torch's, round to nearest even) and one ``scatter_`` of the bytes into a
+  flat ``uint8`` view of the cache.
+
+``cpu_fp8_cache_write`` does all three for one call.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -38,25 +54,27 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # fp32 divisor tensors per scale value: dividing a bf16 / fp16 tensor by a
 # dimensioned fp32 tensor promotes to fp32, so one ``div`` computes
-# ``x.float() / s`` exactly. Bounded: scales change only on a weight reload.
+# ``x.float() / s`` exactly (``write_planned`` divides fp32 scratch in place by
+# the [1, 2, 1, 1] pair). Bounded: scales change only on a weight reload.
 _scale_tensors: dict[tuple[float, ...], torch.Tensor] = {}
 _MAX_ENTRIES = 4096
 
 
 def _scale_tensor(*scales: float) -> torch.Tensor:
-    """``[1]`` for one scale; ``[2, 1, 1, 1]`` for a (K, V) pair."""
+    """``[1]`` for one scale; ``[1, 2, 1, 1]`` for a (K, V) pair."""
     t = _scale_tensors.get(scales)
     if t is None:
         if len(_scale_tensors) >= _MAX_ENTRIES:
             _scale_tensors.clear()
-        shape = (1,) if len(scales) == 1 else (len(scales), 1, 1, 1)
+        shape = (1,) if len(scales) == 1 else (1, len(scales), 1, 1)
         t = _scale_tensors[scales] = torch.tensor(scales, dtype=torch.float32).view(shape)
     return t
 
 
-def _quantize_(y: torch.Tensor) -> torch.Tensor:
-    """fp32 ``y`` (a fresh tensor, clamped in place) -> e4m3 bytes, round to nearest even."""
-    return y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+def _saturate_(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` clamped in place to e4m3's finite range (NaN stays NaN); converting the
+    result with ``.to(torch.float8_e4m3fn)`` rounds to nearest even."""
+    return y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
 
 
 def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -65,7 +83,7 @@ def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     One ``div`` (a 1-d fp32 divisor promotes bf16 / fp16 to fp32 exactly), an
     in-place clamp (keeps NaN) and torch's round-to-nearest-even conversion.
     """
-    return _quantize_(torch.div(x, _scale_tensor(float(scale)))).view(torch.float8_e4m3fn)
+    return _saturate_(torch.div(x, _scale_tensor(float(scale)))).to(torch.float8_e4m3fn)
 
 
 def cpu_cache_views(
@@ -102,6 +120,144 @@ def cpu_cache_views(
     return key_view, value_view
 
 
+class CacheTarget(NamedTuple):
+    """One layer's cache as the write addresses it (``cache_target``)."""
+
+    flat: torch.Tensor
+    """1-d ``uint8`` view over the cache's bytes (the scatter target)."""
+    geometry: tuple[int, int, int, int, int]
+    """``(block_size, num_kv_heads, head_size, block stride, head stride)`` in bytes:
+    what the byte offsets depend on (equal for every layer of one engine)."""
+
+
+class WritePlan(NamedTuple):
+    """Where one step's tokens go (``plan_write``): computed once per slot mapping and
+    cache geometry, shared by every layer that writes with both."""
+
+    num_tokens: int
+    """``len(slot_mapping)``: rows of ``key`` / ``value`` the write consumes."""
+    rows: torch.Tensor | None
+    """int64 rows to write when some slots are padding (< 0); None: all rows."""
+    index: torch.Tensor | None
+    """int64 byte offsets into ``CacheTarget.flat``, one per element of
+    ``stack((key, value), dim=1)[rows]`` in order; None: nothing to write."""
+    quotients: torch.Tensor | None
+    """fp32 ``[rows, 2, num_kv_heads, head_size]`` scratch for ``x / s`` (reused by
+    every layer of the step: no allocation per write)."""
+    key_quotients: torch.Tensor | None
+    """``quotients[:, 0]`` (K's half)."""
+    value_quotients: torch.Tensor | None
+    """``quotients[:, 1]`` (V's half)."""
+    codes: torch.Tensor | None
+    """float8_e4m3fn scratch of the same shape, for the quantized values."""
+    code_bytes: torch.Tensor | None
+    """``codes`` as 1-d ``uint8`` (the scatter source)."""
+
+
+def cache_target(kv_cache: torch.Tensor, layout: str = "vec") -> CacheTarget:
+    """Checks one layer's cache (as ``cpu_cache_views``) and returns its flat byte view
+    and geometry. The view holds the cache's storage: keep it no longer than the cache."""
+    cpu_cache_views(kv_cache, layout)  # validation only
+    num_blocks, num_heads, block_size, two_hs = kv_cache.shape
+    raw = kv_cache.view(torch.uint8)
+    extent = 1 + sum(
+        (size - 1) * stride for size, stride in zip(raw.shape, raw.stride(), strict=True)
+    )
+    flat = raw.view(-1) if raw.is_contiguous() else raw.as_strided((extent,), (1,))
+    geometry = (block_size, num_heads, two_hs // 2, raw.stride(0), raw.stride(1))
+    return CacheTarget(flat, geometry)
+
+
+# Per geometry: (the byte offset of element (h, d) of a token's K ([0]) and V ([1])
+# from the token's start, [1, 2, num_heads, head_size]; the factors that turn a
+# token's offset in its block into the starts of its K column and V row, [1, 2]).
+_geometry_tensors: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _geometry_tensors_for(
+    geometry: tuple[int, int, int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    found = _geometry_tensors.get(geometry)
+    if found is None:
+        block_size, num_heads, head_size, _, stride_head = geometry
+        if len(_geometry_tensors) >= _MAX_ENTRIES:
+            _geometry_tensors.clear()
+        h = torch.arange(num_heads, dtype=torch.int64).view(num_heads, 1) * stride_head
+        d = torch.arange(head_size, dtype=torch.int64).view(1, head_size)
+        k = h + d * block_size  # K transposed: d * block_size + t
+        v = h + block_size * head_size + d  # V: block_size * head_size + t * head_size + d
+        per_offset = torch.tensor([[1, head_size]], dtype=torch.int64)
+        found = _geometry_tensors[geometry] = (torch.stack((k, v)).unsqueeze(0), per_offset)
+    return found
+
+
+def plan_write(slot_mapping: torch.Tensor, geometry: tuple[int, int, int, int, int]) -> WritePlan:
+    """The byte offsets (and scratch tensors) for writing ``slot_mapping``'s tokens
+    into any cache of this ``geometry`` (``block * block_size + offset``; slots < 0
+    are skipped).
+
+    About a dozen small torch ops: a host that writes many layers per step with one
+    slot mapping computes this once per step and passes it to ``write_planned``."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return WritePlan(0, None, None, None, None, None, None, None)
+    block_size, num_heads, head_size, stride_block, _ = geometry
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    rows = None
+    if bool((slots < 0).any()):
+        rows = (slots >= 0).nonzero().view(-1)
+        if rows.shape[0] == 0:
+            return WritePlan(num_tokens, rows, None, None, None, None, None, None)
+        slots = slots[rows]
+    head_offsets, per_offset = _geometry_tensors_for(geometry)
+    block_start = torch.div(slots, block_size, rounding_mode="floor").mul_(stride_block)
+    offset = slots.remainder(block_size)
+    # [n, 2]: where the token's K column and V row start; then every element's byte.
+    starts = torch.addcmul(block_start.unsqueeze(1), offset.unsqueeze(1), per_offset)
+    index = starts.view(-1, 2, 1, 1).add(head_offsets).view(-1)
+    shape = (slots.shape[0], 2, num_heads, head_size)
+    quotients = torch.empty(shape, dtype=torch.float32)
+    codes = torch.empty(shape, dtype=torch.float8_e4m3fn)
+    key_quotients, value_quotients = quotients.unbind(1)
+    code_bytes = codes.view(torch.uint8).view(-1)
+    return WritePlan(
+        num_tokens, rows, index, quotients, key_quotients, value_quotients, codes, code_bytes
+    )
+
+
+def write_planned(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    flat: torch.Tensor,
+    plan: WritePlan,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """The hot path: quantize ``key`` / ``value`` (round to nearest even) and scatter
+    them to ``plan``'s offsets in ``flat`` (``cache_target(kv_cache).flat``).
+
+    ``key`` / ``value``: ``[num_tokens, num_kv_heads, head_size]`` (at least
+    ``plan.num_tokens`` rows), the geometry ``plan`` was made for. Six torch ops per
+    call at any size, no allocation, plus two row selections when the step has
+    padding slots. Uses the plan's scratch tensors: one write at a time per plan."""
+    index = plan.index
+    if index is None:
+        return
+    n = plan.num_tokens
+    if key.shape[0] != n:
+        key, value = key[:n], value[:n]
+    if plan.rows is not None:
+        key, value = key[plan.rows], value[plan.rows]
+    # x.float() / s (exact widening, then one fp32 division by the (K, V) scales),
+    # clamped in place (NaN stays NaN), converted with round-to-nearest-even: the
+    # steps of ``quantize_e4m3``, in the plan's scratch tensors (no allocation).
+    plan.key_quotients.copy_(key)
+    plan.value_quotients.copy_(value)
+    y = plan.quotients.div_(_scale_tensor(float(k_scale), float(v_scale)))
+    plan.codes.copy_(_saturate_(y))
+    flat.scatter_(0, index, plan.code_bytes)
+
+
 def cpu_fp8_cache_write(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -110,7 +266,6 @@ def cpu_fp8_cache_write(
     k_scale: float,
     v_scale: float,
     layout: str = "vec",
-    views: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Quantize K and V (round to nearest even) and scatter them into vLLM's CPU cache.
 
@@ -120,26 +275,14 @@ def cpu_fp8_cache_write(
     uint8 (or float8_e4m3fn) tensor, written in place. ``slot_mapping``: int32/int64
     ``[num_tokens]``, ``block * block_size + offset``; slots < 0 are left untouched.
     ``k_scale`` / ``v_scale``: the scales vLLM's CPU attention dequantizes with.
-    ``views``: ``cpu_cache_views(kv_cache, layout)``, if the caller keeps them per cache.
+
+    ``cache_target`` + ``plan_write`` + ``write_planned`` in one call; a host writing
+    many layers per step keeps the target per layer and the plan per step instead.
     """
-    num_tokens = slot_mapping.shape[0]
-    if num_tokens == 0:
-        return
-    key_view, value_view = views if views is not None else cpu_cache_views(kv_cache, layout)
-    block_size = key_view.shape[1]
-    slots = slot_mapping
-    if key.shape[0] != num_tokens:
-        key, value = key[:num_tokens], value[:num_tokens]
-    # K and V quantized together: one stack, one div by (k_scale, v_scale), one clamp,
-    # one conversion (the write sits on every step, where op count is the cost).
-    kv = torch.stack((key, value))
-    if slots.min().item() < 0:
-        keep = slots >= 0
-        slots, kv = slots[keep], kv[:, keep]
-    q = _quantize_(torch.div(kv, _scale_tensor(float(k_scale), float(v_scale))))
-    index = (torch.div(slots, block_size, rounding_mode="floor"), slots.remainder(block_size))
-    key_view.index_put_(index, q[0])
-    value_view.index_put_(index, q[1])
+    target = cache_target(kv_cache, layout)
+    write_planned(
+        key, value, target.flat, plan_write(slot_mapping, target.geometry), k_scale, v_scale
+    )
 
 
 def cpu_fp8_cache_read(

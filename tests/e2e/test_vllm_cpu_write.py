@@ -127,20 +127,15 @@ def crafted_kv(n, num_heads, head_size, dtype, scale, *, specials, seed=0):
 
 
 def vllm_op_write(cache, key, value, slots, layer) -> None:
-    from vllm import _custom_ops as ops
-
-    nb, nh, bs, _ = cache.shape
-    key_cache, value_cache = cache.view(nb, nh, 2 * bs, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(
+    vllm_cpu_write.vllm_cpu_write(
         key,
         value,
-        key_cache,
-        value_cache,
+        cache,
         slots,
         layer.isa,
-        k_scale=layer._k_scale_float,
-        v_scale=layer._v_scale_float,
-        kv_cache_dtype=layer.impl.kv_cache_dtype,
+        layer._k_scale_float,
+        layer._v_scale_float,
+        layer.impl.kv_cache_dtype,
     )
 
 
@@ -242,6 +237,54 @@ def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size)
                     f"{dtype} hs={head_dim} bs={block_size} {name} {case}: "
                     f"{cache.numel()} cache bytes equal the contract"
                 )
+
+
+def test_one_plan_per_forward_step(checkpoint):
+    """The byte offsets of a step's tokens are computed once per vLLM forward context
+    and shared by its layers; the next step computes them again even when vLLM has
+    refilled the same slot-mapping tensor in place (as its numpy-backed buffers do,
+    without bumping the tensor's version), and a step's plans go with its context."""
+    import gc
+
+    from vllm.forward_context import override_forward_context
+
+    class Step:  # stands in for vLLM's ForwardContext (only its identity is used)
+        pass
+
+    with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+        warm(llm)
+        layers = list(attention_layers(llm).values())
+        nb, nh, bs, two_hs = layer_cache(layers[0]).shape
+        n = 6
+        g = torch.Generator().manual_seed(7)
+        slots = torch.randperm(nb * bs, generator=g)[:n]
+        slots[2] = -1
+
+        def write_step(seed: int) -> None:
+            for index, layer in enumerate(layers):
+                cache = layer_cache(layer)
+                ks, vs = layer._k_scale_float, layer._v_scale_float
+                key, value = crafted_kv(
+                    n, nh, two_hs // 2, torch.bfloat16, ks, specials=True, seed=seed + index
+                )
+                expected = expected_cache(cache, key, value, slots, ks, vs)
+                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+                assert_same_fp8(cache, expected)
+
+        step = Step()
+        with override_forward_context(step):
+            write_step(0)
+            assert len(vllm_cpu_write._step_plans) == 1  # all layers, one plan
+            first = next(iter(vllm_cpu_write._step_plans.values()))[1]
+        slots.numpy()[:] = torch.randperm(nb * bs, generator=g)[:n].numpy()  # no version bump
+        step = Step()
+        with override_forward_context(step):
+            write_step(100)  # bytes land at the new slots: the plan was made again
+            (held, plan), *rest = vllm_cpu_write._step_plans.values()
+            assert not rest and held is slots and plan is not first
+        del step
+        gc.collect()
+        assert not vllm_cpu_write._step_plans
 
 
 # A real generate: chunked prefill, decode, prefix caching --------------------------

@@ -18,9 +18,12 @@ import torch
 from fp8_helpers import assert_same_fp8
 
 from kvscale_plugin.kernels.cpu_cache_write import (
+    cache_target,
     cpu_fp8_cache_read,
     cpu_fp8_cache_write,
+    plan_write,
     quantize_e4m3,
+    write_planned,
 )
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -184,6 +187,69 @@ def test_all_padding_and_empty_leave_the_cache_alone():
     assert torch.equal(cache, before)
 
 
+def test_one_plan_serves_every_layer_of_a_step():
+    """What the vLLM host does: one plan per step, reused by layers with their own
+    caches, inputs and scales (the plan's scratch tensors carry nothing over)."""
+    num_blocks, num_heads, block_size, head_size, n = 4, 2, 32, 64, 40
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(torch.int32)
+    slots[3::7] = -1
+    caches = [random_cache(num_blocks, num_heads, block_size, head_size, seed=s) for s in (1, 2)]
+    targets = [cache_target(c) for c in caches]
+    assert targets[0].geometry == targets[1].geometry
+    plan = plan_write(slots, targets[0].geometry)
+    for layer, (cache, target) in enumerate(zip(caches, targets, strict=True)):
+        k_scale, v_scale = (0.37, 3.8627140522003174) if layer == 0 else (0.125, 1e-3)
+        key, value = make_inputs(n + 3, num_heads, head_size, DTYPES[layer], k_scale, seed=layer)
+        expected = expected_cache(cache, key[:n], value[:n], slots, k_scale, v_scale)
+        write_planned(key, value, target.flat, plan, k_scale, v_scale)
+        assert_same_fp8(cache, expected)
+
+
+def test_cache_that_is_a_view_into_a_larger_buffer():
+    """A layer's cache need not be contiguous storage of its own (here every block of
+    two layers interleaved): only its bytes are written."""
+    num_blocks, num_heads, block_size, head_size, n = 3, 2, 32, 32, 50
+    g = torch.Generator().manual_seed(6)
+    both = torch.randint(0, 256, (num_blocks, 2, num_heads, block_size, 2 * head_size), generator=g)
+    both = both.to(torch.uint8)
+    cache = both[:, 1]
+    assert not cache.is_contiguous()
+    other_before = both[:, 0].clone()
+    key, value = make_inputs(n, num_heads, head_size, torch.bfloat16, 0.5)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    expected = expected_cache(cache, key, value, slots, 0.5, 2.0)
+    cpu_fp8_cache_write(key, value, cache, slots, 0.5, 2.0)
+    assert_same_fp8(cache, expected)
+    assert torch.equal(both[:, 0], other_before)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_write_planned_op_count(padding):
+    """The per-layer cost at decode sizes is torch's per-op overhead: guard the count
+    (six aten ops per layer; two more, row selections, only in a step with padding)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    key, value = make_inputs(4, 3, 64, torch.bfloat16, 1.0)
+    cache = random_cache(2, 3, 32, 64)
+    target = cache_target(cache)
+    slots = torch.tensor([3, -1, 40, 7]) if padding else torch.tensor([3, 9, 40, 7])
+    plan = plan_write(slots, target.geometry)
+    write_planned(key, value, target.flat, plan, 0.5, 2.0)  # warm the scale cache
+    with Count() as count:
+        write_planned(key, value, target.flat, plan, 0.5, 2.0)
+    assert len(count.ops) == (8 if padding else 6), count.ops
+
+
 def test_rejects_what_it_does_not_know():
     key, value = make_inputs(2, 2, 64, torch.bfloat16, 1.0)
     with pytest.raises(ValueError, match="layout"):
@@ -209,21 +275,10 @@ def test_importable_without_triton():
 
 
 def vllm_write(key, value, cache, slots, k_scale, v_scale, isa="vec"):
-    import vllm._custom_ops as ops  # vLLM's CPU build: must import here, never skip
+    # vLLM's CPU build: must import here, never skip
+    from kvscale_plugin.hosts.vllm.cpu_write import vllm_cpu_write
 
-    num_blocks, num_heads, block_size, _ = cache.shape
-    key_cache, value_cache = cache.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slots,
-        isa,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_cache_dtype="fp8",
-    )
+    vllm_cpu_write(key, value, cache, slots, isa, k_scale, v_scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,7 +9,9 @@ cache, ``install()`` routes the CPU backend's cache-update step,
 ``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)`` at the bytes vLLM's CPU
 attention reads, with ``s`` the same Python-float scales that attention
 dequantizes with (``layer._k_scale_float`` / ``_v_scale_float``). The attention
-itself is vLLM's, unchanged.
+itself is vLLM's, unchanged. The byte offsets of a step's tokens (the kernel's
+"plan") are computed once per forward step and shared by all layers (``_step_plan``);
+each layer then costs six small torch ops.
 
 The CPU platform ignores ``--attention-backend``, so this is a wrapper of that one
 method, installed once per process by the plugin's ``register()``. It hands every
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +47,7 @@ MODES = ("rne", "vllm")
 
 _ORIGINAL_ATTR = "__kvscale_original__"
 _ROUTE_ATTR = "_kvscale_cpu_write_route"
-_VIEWS_ATTR = "_kvscale_cpu_cache_views"
+_TARGET_ATTR = "_kvscale_cpu_cache_target"
 _FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 _install_lock = threading.Lock()
@@ -54,7 +57,14 @@ _announced: list[bool] = []  # the INFO line is logged once per process
 # Bound to the kernel module's functions when a layer first routes to it (_decide):
 # the module is imported only in processes that write a kvscale FP8 cache.
 _write: Callable[..., None]
-_views: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_target: Callable[..., Any]
+_plan: Callable[..., Any]
+_has_forward_context: Callable[[], bool]
+_get_forward_context: Callable[[], Any]
+
+# Write plans of the current forward step (see _step_plan).
+_step_ctx: list[weakref.ref[Any] | None] = [None]
+_step_plans: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, Any]] = {}
 
 
 def write_mode() -> str:
@@ -118,27 +128,67 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         if layout is None:
             original(self, layer, key, value, kv_cache, slot_mapping)
             return
-        views = self.__dict__.get(_VIEWS_ATTR)
-        if views is None or views[0] is not kv_cache:
+        target = self.__dict__.get(_TARGET_ATTR)
+        if target is None or target[0] is not kv_cache:
             # Per layer, for as long as the engine hands over the same cache tensor.
-            # Built as normal (not inference-mode) views, which are writable both in
+            # Built as a normal (not inference-mode) view, which is writable both in
             # vLLM's inference-mode forward and outside it.
             with torch.inference_mode(False):
-                views = (kv_cache, _views(kv_cache, layout))
-            setattr(self, _VIEWS_ATTR, views)
+                target = (kv_cache, _target(kv_cache, layout))
+            setattr(self, _TARGET_ATTR, target)
+        flat, geometry = target[1]
         _write(
             key,
             value,
-            kv_cache,
-            slot_mapping,
+            flat,
+            _step_plan(slot_mapping, geometry),
             layer._k_scale_float,
             layer._v_scale_float,
-            layout,
-            views[1],
         )
 
     setattr(do_kv_cache_update, _ORIGINAL_ATTR, original)
     return do_kv_cache_update
+
+
+def _step_plan(slot_mapping: torch.Tensor, geometry: tuple[int, ...]) -> Any:
+    """The write plan for ``slot_mapping``: computed once per forward step and cache
+    geometry, then shared by every layer that writes in that step.
+
+    A plan is reused only inside the vLLM forward context it was made in (one model
+    step; speculative-decoding draft steps each set their own) and only for the very
+    tensor object it was made from (vLLM hands the same ``slot_mapping`` to every
+    layer of a KV-cache group in a step). Never across steps: vLLM refills its
+    slot-mapping buffer between steps, possibly without bumping the tensor's version,
+    so neither the tensor's identity nor its data pointer tells steps apart. The
+    plans are dropped when the step's context is. Outside a forward context (direct
+    calls) nothing is reused.
+    """
+    ctx = _forward_context()
+    if ctx is None:
+        return _plan(slot_mapping, geometry)
+    ref = _step_ctx[0]
+    if ref is None or ref() is not ctx:
+        _step_plans.clear()
+        _step_ctx[0] = weakref.ref(ctx, _forget_step)
+    key = (id(slot_mapping), geometry)
+    hit = _step_plans.get(key)
+    if hit is not None and hit[0] is slot_mapping:
+        return hit[1]
+    plan = _plan(slot_mapping, geometry)
+    _step_plans[key] = (slot_mapping, plan)  # holds the tensor: its id stays its own
+    return plan
+
+
+def _forget_step(ref: weakref.ref[Any]) -> None:
+    """Weakref callback: the step's forward context is gone, and so are its plans."""
+    if _step_ctx[0] is ref:
+        _step_plans.clear()
+        _step_ctx[0] = None
+
+
+def _forward_context() -> Any:
+    """vLLM's current forward context, or None outside a forward step."""
+    return _get_forward_context() if _has_forward_context() else None
 
 
 def _route(
@@ -166,7 +216,7 @@ def _decide(
 
     from kvscale_plugin.kernels.cpu_cache_write import INPUT_DTYPES, LAYOUTS
 
-    global _write, _views
+    global _write, _target, _plan, _has_forward_context, _get_forward_context
     if not is_kvscale_layer(layer):
         return None
     if getattr(impl, "kv_cache_dtype", None) not in _FP8_E4M3_CACHE_DTYPES:
@@ -213,9 +263,12 @@ def _decide(
             two_hs // 2,
         )
         return None
-    from kvscale_plugin.kernels.cpu_cache_write import cpu_cache_views, cpu_fp8_cache_write
+    from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    _write, _views = cpu_fp8_cache_write, cpu_cache_views
+    from kvscale_plugin.kernels.cpu_cache_write import cache_target, plan_write, write_planned
+
+    _write, _target, _plan = write_planned, cache_target, plan_write
+    _has_forward_context, _get_forward_context = is_forward_context_available, get_forward_context
     if not _announced:
         _announced.append(True)
         logger.info(
@@ -226,6 +279,34 @@ def _decide(
     return isa
 
 
+def vllm_cpu_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    isa: str,
+    k_scale: float,
+    v_scale: float,
+    kv_cache_dtype: str = "fp8",
+) -> None:
+    """vLLM's own CPU cache write (FP8: truncating) into one layer's
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` cache."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, num_heads, block_size, _ = kv_cache.shape
+    halves = kv_cache.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        key,
+        value,
+        *halves,
+        slots,
+        isa,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
 @functools.cache
 def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> bool:
     """Whether kvscale's write puts every byte where vLLM's op puts it, for this layout.
@@ -233,8 +314,6 @@ def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.
     Both write the same exactly representable values (where rounding cannot
     differ), with padding slots, into scratch caches; the caches must be equal.
     """
-    from vllm import _custom_ops as ops
-
     from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_write
 
     num_blocks, num_heads = 3, 2
@@ -250,19 +329,8 @@ def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.
     shape = (num_blocks, num_heads, block_size, 2 * head_size)
     theirs = torch.randint(0, 256, shape, generator=gen).to(torch.uint8)
     ours = theirs.clone()
-    key_cache, value_cache = theirs.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, dim=2)
     try:
-        ops.cpu_attn_reshape_and_cache(
-            key,
-            value,
-            key_cache,
-            value_cache,
-            slots,
-            isa,
-            k_scale=1.0,
-            v_scale=1.0,
-            kv_cache_dtype="fp8",
-        )
+        vllm_cpu_write(key, value, theirs, slots, isa, 1.0, 1.0)
         cpu_fp8_cache_write(key, value, ours, slots, 1.0, 1.0, isa)
     except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
         logger.debug("kvscale: layout check for %s failed: %s", isa, exc)
