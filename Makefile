@@ -16,6 +16,9 @@ PIP := $(PY) -m pip
 # as a real distribution -- but into a folder only the tests put on their path, never
 # into the user's .venv (where every engine start would then warn about it).
 TEST_RULES := build/test-rules
+# PyPI's torchvision for the one engine test that imports it (Qwen3.5 + MTP), with a
+# start-up shim that lets it import next to CPU torch; on PYTHONPATH in that test only.
+TEST_TORCHVISION := build/test-torchvision
 # pip's local mirrors print a line per package they lack; keep the log readable.
 # (grep's own "no line left" status is not a failure; pip's failure still is, via pipefail)
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -42,6 +45,12 @@ $(TEST_RULES)/.installed: $(VENV)/.kvscale-installed tests/rule_package/pyprojec
 	$(PIP) install -q --no-deps --target $(TEST_RULES) ./tests/rule_package $(QUIET)
 	touch $@
 
+$(TEST_TORCHVISION)/.installed: $(VENV)/.kvscale-installed tests/e2e/torchvision_site/sitecustomize.py
+	rm -rf $(TEST_TORCHVISION)
+	$(PIP) install -q --no-deps --target $(TEST_TORCHVISION) torchvision==0.28.0 $(QUIET)
+	cp tests/e2e/torchvision_site/sitecustomize.py $(TEST_TORCHVISION)/
+	touch $@
+
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -54,7 +63,7 @@ test-sglang: venv $(TEST_RULES)/.installed
 	scripts/setup_sglang_venv.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python $(PYTEST) tests/sglang_host
 
-test: venv lint $(TEST_RULES)/.installed test-sglang
+test: venv lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed test-sglang
 	$(PY) $(PYTEST)
 
 test-fast: venv $(TEST_RULES)/.installed

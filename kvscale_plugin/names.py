@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import pluggy
 
@@ -26,7 +27,7 @@ HOSTS = ("vllm", "sglang")
 
 # Attention module names in the wild; MTP / draft layers (``mtp.layers.N``,
 # ``model.layers.{num_layers}``, ``model.mtp_layers.N``) only change the prefix,
-# which every rule keeps as it is.
+# which every rule keeps as it is (``mtp_layer_ordinal`` tells which MTP layer).
 _ATTN = r"(?:self_attn|self_attention|attention|mixer)"
 # k_proj / v_proj (ModelOpt, Llama), qkv_proj (Qwen2 / Qwen3-MoE fused), q_proj (q scales).
 _PROJ = r"(?:[qkv]|qkv)_proj"
@@ -137,6 +138,46 @@ def map_scale_name(name: str, host: str, model_type: str | None = None) -> str |
     return get_plugin_manager().hook.kvscale_map_scale_name(
         name=name, host=host, model_type=model_type
     )
+
+
+# Multi-token-prediction (MTP) layers: a checkpoint's speculative-decoding draft layers.
+# Their own prefixes (MiMo ``model.mtp_layers.N.``, Qwen3-Next / Qwen3.5 ``mtp.layers.N.``)
+# count from 0; GLM-4-MoE and DeepSeek-V3 continue the main stack
+# (``model.layers.{num_hidden_layers + N}.``), with the prefixes vLLM 0.32 recognises.
+_MTP_OWN_PREFIX = re.compile(r"(?:^|\.)(?:mtp_layers|mtp\.layers)\.(?P<n>\d+)\.")
+_MAIN_STACK_PREFIX = re.compile(r"^(?:model\.(?:language_model\.)?)?layers\.(?P<n>\d+)\.")
+
+
+def mtp_layer_ordinal(name: str, num_hidden_layers: int | None) -> int | None:
+    """Which MTP layer (counted from 0) checkpoint tensor ``name`` belongs to, or None.
+
+    ``num_hidden_layers`` is the main stack's depth (the model config's
+    ``num_hidden_layers``): a ``layers.N`` name with N at or beyond it is MTP layer
+    ``N - num_hidden_layers``. Whether the model has that many MTP layers is the
+    caller's question (``declared_mtp_layers``).
+    """
+    if (own := _MTP_OWN_PREFIX.search(name)) is not None:
+        return int(own["n"])
+    if num_hidden_layers is None or (stack := _MAIN_STACK_PREFIX.match(name)) is None:
+        return None
+    index = int(stack["n"])
+    return index - num_hidden_layers if index >= num_hidden_layers else None
+
+
+#: Where HF configs declare their MTP layer count (Qwen3.5: ``mtp_num_hidden_layers``).
+MTP_COUNT_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def declared_mtp_layers(*configs: Any) -> int:
+    """How many MTP layers the given HF config objects (e.g. a model's config and its
+    text config) declare: the largest positive count in ``MTP_COUNT_FIELDS``, else 0."""
+    counts = [
+        value
+        for config in configs
+        for field in MTP_COUNT_FIELDS
+        if isinstance(value := getattr(config, field, None), int) and not isinstance(value, bool)
+    ]
+    return max([0, *counts])
 
 
 _LAYER_TAIL = re.compile(r"(?:^|\.)(layers\.\d+\..+)$")

@@ -18,6 +18,14 @@ import torch
 
 #: KV cache size for tiny test models: explicit, or start-up fails on memory utilization.
 KV_CACHE_BYTES = 64 * 2**20
+#: What every test engine shares: small pools, bf16, short context, deterministic.
+ENGINE_DEFAULTS: dict[str, Any] = dict(
+    kv_cache_memory_bytes=KV_CACHE_BYTES,
+    block_size=32,
+    dtype="bfloat16",
+    max_model_len=512,
+    seed=0,
+)
 
 
 @dataclass(frozen=True)
@@ -69,14 +77,19 @@ def vllm_engine(
         kv_cache_dtype=kv_cache_dtype,
         load_format=load_format,
         enforce_eager=True,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        block_size=32,
-        dtype="bfloat16",
-        max_model_len=512,
-        seed=0,
+        **ENGINE_DEFAULTS,
     )
     kwargs.update(extra)
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except BaseException:
+        # A half-built engine leaves vLLM's distributed state behind: the next MoE engine
+        # in this process would then fail ("expert parallel group is not initialized").
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        raise
     try:
         yield llm
     finally:
@@ -179,12 +192,31 @@ def model_kv_head_scales(
     """``llm.apply_model`` target: per attention layer, every value of the k and v
     device tensors (one per KV head this rank holds) and the two Python floats."""
     return {
-        name: (
-            [float(x) for x in m._k_scale.reshape(-1).tolist()],
-            [float(x) for x in m._v_scale.reshape(-1).tolist()],
-            float(m._k_scale_float),
-            float(m._v_scale_float),
-        )
+        name: _head_scales(m)
         for name, m in model.named_modules()
+        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
+    }
+
+
+def _head_scales(layer: torch.nn.Module) -> tuple[list[float], list[float], float, float]:
+    return (
+        [float(x) for x in layer._k_scale.reshape(-1).tolist()],
+        [float(x) for x in layer._v_scale.reshape(-1).tolist()],
+        float(layer._k_scale_float),
+        float(layer._v_scale_float),
+    )
+
+
+def worker_kv_head_scales(
+    worker: Any,
+) -> dict[str, tuple[list[float], list[float], float, float, bool]]:
+    """``llm.collective_rpc`` target: what ``model_kv_head_scales`` reads, for every
+    attention layer the worker's engine registered -- the target model's and a
+    speculative-decoding draft's (``apply_model`` sees the target only); the last item
+    says whether the layer is an MTP draft layer kvscale loaded."""
+    context = worker.vllm_config.compilation_config.static_forward_context
+    return {
+        name: (*_head_scales(m), bool(getattr(m, "kvscale_draft", False)))
+        for name, m in context.items()
         if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
     }

@@ -53,6 +53,11 @@ NAMINGS: dict[str, tuple[str, str | None]] = {
 }
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+#: Families whose checkpoints carry multi-token-prediction (MTP) layers after the main
+#: stack (``TinySpec.num_mtp_layers``), named as the real ones name them: MiMo
+#: ``model.mtp_layers.N.``, GLM-4-MoE ``model.layers.{num_layers + N}.``, Qwen3-Next and
+#: Qwen3.5 ``mtp.layers.N.``. vLLM serves them as speculative-decoding drafts.
+MTP_FAMILIES = ("mimo", "glm4_moe", "qwen3_next", "qwen3_5")
 
 
 @dataclass
@@ -81,6 +86,11 @@ class TinySpec:
     per_head: bool = False
     head_boost: Sequence[float] | None = None
     num_kv_heads: int = 2
+    # MTP layers appended after the main stack (``MTP_FAMILIES`` only); ``mtp_scales``
+    # maps MTP layer -> (k, v), None: calibrated as if they were further stack layers.
+    num_mtp_layers: int = 0
+    mtp_scales: Mapping[int, tuple[float, float]] | None = None
+    write_mtp_scales: bool = True
 
 
 def _tokenizer_files(cache_dir: Path) -> Path:
@@ -122,11 +132,12 @@ def _tokenizer_files(cache_dir: Path) -> Path:
 def _hf_config(spec: TinySpec, vocab_size: int) -> Any:
     import transformers
 
+    total = spec.num_layers + spec.num_mtp_layers  # MTP layers are built as stack layers
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=spec.num_layers,
+        num_hidden_layers=total,
         num_attention_heads=4,
         num_key_value_heads=spec.num_kv_heads,
         head_dim=64,
@@ -153,7 +164,44 @@ def _hf_config(spec: TinySpec, vocab_size: int) -> Any:
         )
     if spec.family == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
-    raise ValueError(f"unknown family {spec.family!r}; choose one of {', '.join(FAMILIES)}")
+    if spec.family == "mimo":  # MiMo's own config class is Qwen2's plus the MTP count
+        return transformers.Qwen2Config(**common)
+    if spec.family == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            **common,
+            partial_rotary_factor=0.5,
+            moe_intermediate_size=128,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            use_qk_norm=False,
+        )
+    if spec.family in ("qwen3_next", "qwen3_5"):
+        # Hybrid stacks: linear-attention (Gated DeltaNet) layers, the last main layer and
+        # the MTP layers full attention. vLLM's CPU Gated DeltaNet wants head size 128.
+        hybrid: dict[str, Any] = dict(
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=["linear_attention"] * (spec.num_layers - 1)
+            + ["full_attention"] * (1 + spec.num_mtp_layers),
+        )
+        if spec.family == "qwen3_5":
+            return transformers.Qwen3_5TextConfig(**common, **hybrid)
+        return transformers.Qwen3NextConfig(
+            **common,
+            **hybrid,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    known = ", ".join((*FAMILIES, *MTP_FAMILIES))
+    raise ValueError(f"unknown family {spec.family!r}; choose one of {known}")
 
 
 def build_tiny_checkpoint(
@@ -171,6 +219,8 @@ def build_tiny_checkpoint(
     from safetensors.torch import save_file
 
     spec = spec or TinySpec()
+    if spec.num_mtp_layers and spec.family not in MTP_FAMILIES:
+        raise ValueError(f"MTP layers need one of the families {', '.join(MTP_FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(cache_dir) if cache_dir else out.parent
@@ -184,7 +234,9 @@ def build_tiny_checkpoint(
     with torch.no_grad():
         # Random init is small; make the network non-trivial and boost K/V.
         for layer in model.model.layers:
-            attn = layer.self_attn
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:
+                continue  # a linear-attention layer: no KV cache
             attn.k_proj.weight.mul_(spec.boost)
             attn.v_proj.weight.mul_(spec.boost)
             attn.q_proj.weight.div_(spec.boost)
@@ -202,22 +254,25 @@ def build_tiny_checkpoint(
         else _calibrate(model, tokenizer, per_head=spec.per_head)
     )
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if spec.family in ("glm4_moe", "qwen3_next"):
+        sd = _per_expert(sd)  # how their checkpoints store experts (and vLLM's MTP loaders)
+    if spec.num_mtp_layers:
+        sd = _mtp_layout(spec, sd, hidden=config.hidden_size)
+    attention = {i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn")}
+    namings = [spec.naming] if isinstance(spec.naming, str) else list(spec.naming)
     stored: dict[int, dict[str, float]] = {}
+    stored_mtp: dict[int, dict[str, float]] = {}
     if spec.kv_cache_scheme is not None and spec.write_scales:
-        namings = [spec.naming] if isinstance(spec.naming, str) else list(spec.naming)
-        for i in range(spec.num_layers):
-            k_pat, v_pat = NAMINGS[namings[i % len(namings)]]
-            k, v = scales[i]
-            if v_pat is None:  # legacy single scale: the larger one covers both
-                kv: Any = (
-                    [max(a, b) for a, b in zip(k, v, strict=True)] if spec.per_head else max(k, v)
-                )
-                sd[k_pat.format(i=i)] = _scale_tensor(kv, spec.per_head)
-                stored[i] = {"k": kv, "v": kv}
-            else:
-                sd[k_pat.format(i=i)] = _scale_tensor(k, spec.per_head)
-                sd[v_pat.format(i=i)] = _scale_tensor(v, spec.per_head)
-                stored[i] = {"k": k, "v": v}
+        for i in sorted(attention & set(range(spec.num_layers))):
+            stored[i] = _put_scales(
+                sd, NAMINGS[namings[i % len(namings)]], f"model.layers.{i}.", scales[i], spec
+            )
+    if spec.kv_cache_scheme is not None and spec.write_mtp_scales:
+        for m in range(spec.num_mtp_layers):
+            index = spec.num_layers + m
+            pair = spec.mtp_scales[m] if spec.mtp_scales is not None else scales[index]
+            naming = NAMINGS[namings[index % len(namings)]]
+            stored_mtp[m] = _put_scales(sd, naming, _mtp_prefix(spec, m), pair, spec)
     for name, tensor in spec.extra_tensors.items():
         sd[name] = tensor
     _save_shards(out, sd, spec.num_shards, save_file)
@@ -225,6 +280,16 @@ def build_tiny_checkpoint(
     cfg = config.to_dict()
     cfg["torch_dtype"] = "bfloat16"
     cfg["architectures"] = [type(model).__name__]
+    if spec.num_mtp_layers:
+        # The stack as the checkpoint declares it: the MTP layers are counted apart.
+        cfg["num_hidden_layers"] = spec.num_layers
+        for key in ("layer_types", "mlp_layer_types"):
+            if isinstance(cfg.get(key), list):
+                cfg[key] = cfg[key][: spec.num_layers]
+        count = "mtp_num_hidden_layers" if spec.family == "qwen3_5" else "num_nextn_predict_layers"
+        cfg[count] = spec.num_mtp_layers
+        if spec.family == "mimo":
+            cfg["architectures"] = ["MiMoForCausalLM"]
     if spec.quantization_config:
         cfg["quantization_config"] = {
             "config_groups": {},
@@ -246,11 +311,97 @@ def build_tiny_checkpoint(
                 "naming": spec.naming,
                 "family": spec.family,
                 "stored_scales": stored,
+                "stored_mtp_scales": stored_mtp,
                 "calibrated_scales": {i: list(s) for i, s in scales.items()},
             },
             indent=2,
         )
     )
+    return out
+
+
+def _put_scales(
+    sd: dict[str, torch.Tensor],
+    naming: tuple[str, str | None],
+    prefix: str,
+    pair: tuple[Any, Any],
+    spec: TinySpec,
+) -> dict[str, Any]:
+    """Store one layer's k/v scales under ``naming`` (a ``NAMINGS`` entry) with its
+    ``model.layers.{i}.`` replaced by ``prefix``; return what was stored."""
+    k_pat, v_pat = (
+        pat.replace("model.layers.{i}.", prefix) if pat is not None else None for pat in naming
+    )
+    k, v = pair
+    if v_pat is None:  # legacy single scale: the larger one covers both
+        kv: Any = [max(a, b) for a, b in zip(k, v, strict=True)] if spec.per_head else max(k, v)
+        sd[k_pat] = _scale_tensor(kv, spec.per_head)
+        return {"k": kv, "v": kv}
+    sd[k_pat] = _scale_tensor(k, spec.per_head)
+    sd[v_pat] = _scale_tensor(v, spec.per_head)
+    return {"k": k, "v": v}
+
+
+def _mtp_prefix(spec: TinySpec, m: int) -> str:
+    """Checkpoint prefix of MTP layer ``m`` in ``spec.family``'s convention."""
+    if spec.family == "mimo":
+        return f"model.mtp_layers.{m}."
+    if spec.family == "glm4_moe":
+        return f"model.layers.{spec.num_layers + m}."
+    return f"mtp.layers.{m}."  # qwen3_next, qwen3_5
+
+
+def _mtp_layout(
+    spec: TinySpec, sd: dict[str, torch.Tensor], hidden: int
+) -> dict[str, torch.Tensor]:
+    """Rename the appended stack layers into the family's MTP layers and add the MTP
+    modules around them (norms: copies of the final norm; projections: small random)."""
+    norm = sd["model.norm.weight"]
+
+    def proj() -> torch.Tensor:
+        return (torch.randn(hidden, 2 * hidden) * 0.02).to(torch.bfloat16)
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in sd.items():
+        for m in range(spec.num_mtp_layers):
+            stack = f"model.layers.{spec.num_layers + m}."
+            if name.startswith(stack):
+                name = _mtp_prefix(spec, m) + name[len(stack) :]
+                break
+        out[name] = tensor
+    for m in range(spec.num_mtp_layers):
+        prefix = _mtp_prefix(spec, m)
+        if spec.family == "mimo":
+            for piece in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+                out[f"{prefix}{piece}.weight"] = norm.clone()
+            out[f"{prefix}input_proj.weight"] = proj()
+        elif spec.family == "glm4_moe":
+            for piece in ("enorm", "hnorm", "shared_head.norm"):
+                out[f"{prefix}{piece}.weight"] = norm.clone()
+            out[f"{prefix}eh_proj.weight"] = proj()
+    if spec.family in ("qwen3_next", "qwen3_5"):
+        for piece in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out[f"mtp.{piece}.weight"] = norm.clone()
+        out["mtp.fc.weight"] = proj()
+    return out
+
+
+def _per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I]) as per-expert ``mlp.experts.{e}.*.weight``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in sd.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base, inter = name[: -len("gate_up_proj")], tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = tensor[e, :inter].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = tensor[e, inter:].contiguous()
+        elif name.endswith(".experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = tensor[e].contiguous()
+        else:
+            out[name] = tensor
     return out
 
 
@@ -316,6 +467,8 @@ def _calibrate(model: Any, tokenizer: Any, *, per_head: bool = False) -> dict[in
         return hook
 
     for i, layer in enumerate(model.model.layers):
+        if not hasattr(layer, "self_attn"):
+            continue  # a linear-attention layer: no KV cache
         hooks.append(layer.self_attn.k_proj.register_forward_hook(make_hook(i, 0)))
         hooks.append(layer.self_attn.v_proj.register_forward_hook(make_hook(i, 1)))
     with torch.no_grad():
@@ -337,6 +490,12 @@ def read_stored_scales(model_dir: str | os.PathLike[str]) -> dict[int, dict[str,
     """The per-layer k/v scales ``build_tiny_checkpoint`` stored."""
     meta = json.loads((Path(model_dir) / "kvscale_tiny.json").read_text())
     return {int(i): v for i, v in meta["stored_scales"].items()}
+
+
+def read_stored_mtp_scales(model_dir: str | os.PathLike[str]) -> dict[int, dict[str, float]]:
+    """The k/v scales ``build_tiny_checkpoint`` stored per MTP layer (counted from 0)."""
+    meta = json.loads((Path(model_dir) / "kvscale_tiny.json").read_text())
+    return {int(i): v for i, v in meta.get("stored_mtp_scales", {}).items()}
 
 
 def reference_token_ids(model_dir: str | os.PathLike[str]) -> Sequence[int]:

@@ -94,11 +94,17 @@ def announce_verdict(scheme: Any, scope: str = "") -> SchemeVerdict:
     return verdict
 
 
+def shorten(names: Iterable[str], noun: str = "layers", most: int = 4) -> str:
+    """``names`` sorted, the first ``most`` shown, then how many there are in all."""
+    ordered = sorted(names)
+    more = f", ... ({len(ordered)} {noun})" if len(ordered) > most else ""
+    return ", ".join(ordered[:most]) + more
+
+
 def warn_missing_scales(layer_names: Iterable[str], scope: str = "") -> None:
     """One warning (per engine: ``scope``) for a declared scheme whose checkpoint has no
     scales for some layers."""
-    missing = sorted(layer_names)
-    shown = ", ".join(missing[:4]) + (f", ... ({len(missing)} layers)" if len(missing) > 4 else "")
+    shown = shorten(layer_names)
     warn_once(
         f"{scope}scales-missing",
         "kvscale: the checkpoint declares a kv_cache_scheme but has no k_scale/v_scale "

@@ -59,15 +59,23 @@ def attention_layers(tc: Mapping[str, Any], n: int | None) -> list[int] | None:
     return list(range(n))
 
 
+#: More heads than any model has: such a count is treated as unknown, not allocated.
+MAX_HEADS = 100_000
+
+
 def _int_field(cfg: Mapping[str, Any], key: str) -> int | None:
     value = cfg.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _plausible(n: int | None) -> int | None:
+    return n if n is not None and n <= MAX_HEADS else None
+
+
 def head_counts(config: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(KV heads, attention heads) of the language model, as the hosts read them:
     ``num_key_value_heads``, else ``num_attention_heads`` (no GQA); ``text_config``
-    first for multimodal configs."""
+    first for multimodal configs. An absurd count (> ``MAX_HEADS``) is unknown (None)."""
     tc = config.get("text_config")
     for cfg in (tc, config):
         if not isinstance(cfg, Mapping):
@@ -75,7 +83,7 @@ def head_counts(config: Mapping[str, Any]) -> tuple[int | None, int | None]:
         heads = _int_field(cfg, "num_attention_heads")
         kv = _int_field(cfg, "num_key_value_heads")
         if heads is not None or kv is not None:
-            return kv if kv is not None else heads, heads
+            return _plausible(kv if kv is not None else heads), _plausible(heads)
     return None, None
 
 

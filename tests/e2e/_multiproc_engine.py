@@ -12,7 +12,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
     from kvscale_plugin.demo.probe import (
-        KV_CACHE_BYTES,
+        ENGINE_DEFAULTS,
         model_kv_head_scales,
         model_kv_scales,
     )
@@ -25,11 +25,7 @@ if __name__ == "__main__":
         model=model_dir,
         quantization="kvscale",
         enforce_eager=True,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        block_size=32,
-        dtype="bfloat16",
-        max_model_len=512,
-        seed=0,
+        **ENGINE_DEFAULTS,
         tensor_parallel_size=tp,
     )
     scales = llm.apply_model(model_kv_head_scales if per_head else model_kv_scales)

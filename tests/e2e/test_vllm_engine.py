@@ -221,6 +221,18 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
     assert "model.layers.0.self_attn.attn.v_scale" not in text  # 2.0 is fine
 
 
+def test_an_engine_that_failed_to_start_leaves_no_state_behind(tiny):
+    # A half-built engine used to leave vLLM's distributed state behind, and the next
+    # MoE engine in the process failed ("expert parallel group is not initialized").
+    with pytest.raises(CorruptScaleError):
+        ckpt = tiny("corrupt-first", num_layers=2, scales={0: (math.nan, 1.0), 1: (1.0, 1.0)})
+        with vllm_engine(ckpt, quantization="kvscale"):
+            pass
+    ckpt = tiny("moe-after-failure", family="qwen3_moe", num_layers=2)
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        assert_scales_equal_checkpoint(layer_scales(llm), read_stored_scales(ckpt))
+
+
 def test_no_quantization_config_gives_clear_error(tiny):
     ckpt = tiny("plain", kv_cache_scheme=None, quantization_config=False)
     with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):

@@ -10,12 +10,10 @@ server is in ``test_vllm_serving.py``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _run_script import run_script
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -26,31 +24,11 @@ from kvscale_plugin.demo.probe import (
 from kvscale_plugin.demo.tinymodels import read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
-HERE = Path(__file__).parent
 
 
 def _run_multiproc(ckpt: Path, ids: list[int], mode: str, size: int, tmp_path: Path) -> dict:
-    env = dict(os.environ)
-    env["TMPDIR"] = str(tmp_path)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # one NUMA node: workers share it
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "_multiproc_pp.py"),
-            str(ckpt),
-            json.dumps(ids),
-            mode,
-            str(size),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    args = (str(ckpt), json.dumps(ids), mode, str(size))
+    return run_script("_multiproc_pp.py", *args, tmp_path=tmp_path)
 
 
 def test_pipeline_parallel_ranks_hold_their_layers_scales(tiny, tmp_path):

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _run_script import run_script
 
 from kvscale_plugin.demo.probe import (
     attention_layers,
@@ -28,7 +26,6 @@ from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales, re
 from kvscale_plugin.scales import CorruptScaleError
 
 pytestmark = pytest.mark.engine
-HERE = Path(__file__).parent
 PER_HEAD = {**FP8_KV_SCHEME, "strategy": "attn_head"}
 # KV head 1 carries 3x the K/V of head 0 (compensated in q/o): heads need distinct scales.
 HEAD_BOOST = (1.0, 3.0)
@@ -169,28 +166,8 @@ def test_tensor_parallel_ranks_hold_their_heads(tiny, tmp_path, num_kv_heads):
         head_boost=boost,
     )
     ids = list(reference_token_ids(ckpt))[:24]
-    env = {
-        k: v for k, v in __import__("os").environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
-    }
-    env["TMPDIR"] = str(tmp_path)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # one NUMA node here: share it
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "_multiproc_engine.py"),
-            str(ckpt),
-            json.dumps(ids),
-            "2",
-            "heads",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    ranks = json.loads(lines[-1][len("RESULT ") :])["scales"]
+    args = (str(ckpt), json.dumps(ids), "2", "heads")
+    ranks = run_script("_multiproc_engine.py", *args, tmp_path=tmp_path, timeout=300)["scales"]
     assert len(ranks) == 2
     stored = read_stored_scales(ckpt)
     for rank, scales in enumerate(ranks):

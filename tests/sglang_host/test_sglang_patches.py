@@ -19,6 +19,7 @@ EXPECTED_TARGETS = {
     "sglang.srt.model_loader.utils.get_model_architecture",
     "sglang.srt.models.qwen3.Qwen3Attention.__init__",
     "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__",
+    "sglang.srt.models.glm4_moe.Glm4MoeAttention.__init__",
 }
 
 QWEN3_ATTACH = (

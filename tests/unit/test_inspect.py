@@ -807,11 +807,15 @@ def test_per_head_on_sglang_is_unverified_for_stock(tiny, capsys):
     assert "unverified" in data["kvscale"]["summary"]
 
 
-def test_per_head_unknown_head_count_is_a_warning(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("count", ["absent", "absurd"])
+def test_per_head_unknown_head_count_is_a_warning(tiny, tmp_path, capsys, count):
     tensors = _per_head_tensors(**{"1_self_attn.v_scale": _heads(2.0, 2.5, 3.0)})
     model = shutil.copytree(_per_head_model(tiny, "inspect_heads_v3", tensors), tmp_path / "m")
     config = json.loads((model / "config.json").read_text())
-    del config["num_attention_heads"], config["num_key_value_heads"]
+    if count == "absent":
+        del config["num_attention_heads"], config["num_key_value_heads"]
+    else:  # found by fuzzing: inspect used to build a 10**12-element tuple (MemoryError)
+        config["num_key_value_heads"] = 10**12
     (model / "config.json").write_text(json.dumps(config))
     status, data = _inspect(capsys, model)
     assert data["num_kv_heads"] is None and "unknown_head_count" in _codes(data, "warning")

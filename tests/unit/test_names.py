@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscale_plugin.names import map_scale_name, names_attention_layer
+from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal, names_attention_layer
 
 
 @pytest.mark.parametrize("host", ["vllm", "sglang"])
@@ -70,3 +70,44 @@ def test_names_attention_layer(target, expected):
         "language_model.model.layers.1.self_attn.attn",
     ]
     assert names_attention_layer(target, layers) is expected
+
+
+@pytest.mark.parametrize(
+    ("name", "num_hidden_layers", "expected"),
+    [
+        # MiMo: the MTP layers' own prefix, counted from 0.
+        ("model.mtp_layers.0.self_attn.k_scale", 36, 0),
+        ("model.mtp_layers.2.self_attn.v_proj.v_scale", 36, 2),
+        # Qwen3-Next / Qwen3.5: `mtp.layers.N`, also under a multimodal prefix.
+        ("mtp.layers.0.self_attn.k_scale", 48, 0),
+        ("mtp.layers.1.self_attn.qkv_proj.v_scale", None, 1),
+        ("model.mtp.layers.0.self_attn.k_scale", 48, 0),
+        # GLM-4-MoE / DeepSeek-V3: the stack continues past num_hidden_layers.
+        ("model.layers.46.self_attn.k_scale", 46, 0),
+        ("model.layers.47.self_attn.k_scale", 46, 1),
+        ("layers.61.self_attn.k_scale", 61, 0),
+        ("model.language_model.layers.40.self_attn.k_scale", 40, 0),
+        # The main stack, and names the stack depth cannot judge.
+        ("model.layers.45.self_attn.k_scale", 46, None),
+        ("model.layers.0.self_attn.k_scale", 2, None),
+        ("model.layers.46.self_attn.k_scale", None, None),
+        ("model.vision_tower.layers.50.self_attn.k_scale", 46, None),
+        ("model.smtp_layers.0.self_attn.k_scale", 2, None),
+    ],
+)
+def test_mtp_layer_ordinal(name, num_hidden_layers, expected):
+    assert mtp_layer_ordinal(name, num_hidden_layers) == expected
+
+
+def test_declared_mtp_layers_reads_every_count_field():
+    from types import SimpleNamespace
+
+    from kvscale_plugin.names import declared_mtp_layers
+
+    assert declared_mtp_layers(SimpleNamespace(num_nextn_predict_layers=1)) == 1
+    assert declared_mtp_layers(SimpleNamespace(mtp_num_hidden_layers=2)) == 2  # Qwen3.5
+    # A multimodal config and its text config: the count may sit on either.
+    assert declared_mtp_layers(SimpleNamespace(), SimpleNamespace(num_nextn_predict_layers=3)) == 3
+    assert declared_mtp_layers(None, SimpleNamespace()) == 0
+    assert declared_mtp_layers(SimpleNamespace(num_nextn_predict_layers=True)) == 0
+    assert declared_mtp_layers(SimpleNamespace(num_nextn_predict_layers=-1)) == 0

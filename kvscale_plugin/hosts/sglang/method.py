@@ -217,6 +217,14 @@ class _LayerState:
     raw: dict[str, float | tuple[float, ...]] | None = None
     # Host-side copies kept equal to the served scales (e.g. Qwen3's fused CPU scales).
     mirrors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Checkpoint tensor loaded into a scale whose name is not this layer's own (an MTP
+    # draft layer: ``mtp.layers.0.self_attn.k_scale`` into ``model.layers.0.attn``),
+    # so that a bad value is reported under the name the checkpoint gives it.
+    checkpoint_names: dict[str, str] = field(default_factory=dict)
+
+    def tensor_name(self, kind: str) -> str:
+        """The name problems with scale ``kind`` (``k_scale`` / ``v_scale``) are reported by."""
+        return self.checkpoint_names.get(kind, f"{self.name}.{kind}")
 
 
 class KVScaleKVCacheMethod(BaseKVCacheMethod):
@@ -247,9 +255,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             param = torch.nn.Parameter(
                 torch.tensor(SENTINEL, dtype=torch.float32), requires_grad=False
             )
-            param.weight_loader = _scale_loader(
-                state, cfg.corrupt_scales, f"{self.layer_name}.{name}", name
-            )
+            param.weight_loader = _scale_loader(state, cfg.corrupt_scales, name)
             # One number per layer even for per-head schemes: SGLang's cache writes
             # divide by it and its backends broadcast it (see the module docstring).
             param._skip_weight_check = True  # SGLang's weight checker: not a model weight
@@ -277,6 +283,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         state.pending.clear()
         for name in _SCALE_NAMES:
             _forget_problems(self.quant_config.corrupt_scales, f"{state.name}.{name}")
+            _forget_problems(self.quant_config.corrupt_scales, state.tensor_name(name))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         state: _LayerState | None = getattr(layer, "kvscale_state", None)
@@ -343,11 +350,10 @@ def _forget_problems(corrupt: dict[str, str], tensor_name: str) -> None:
         del corrupt[key]
 
 
-def _scale_loader(
-    state: _LayerState, corrupt: dict[str, str], tensor_name: str, kind: str
-) -> Callable[..., None]:
+def _scale_loader(state: _LayerState, corrupt: dict[str, str], kind: str) -> Callable[..., None]:
     def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
         placement = state.placement
+        tensor_name = state.tensor_name(kind)
         _forget_problems(corrupt, tensor_name)
         # Every element of the full tensor (all heads, not only this rank's) is checked.
         problems = scale_problems(

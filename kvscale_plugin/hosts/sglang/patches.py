@@ -11,7 +11,13 @@ SGLang moves code. Each patch is one entry of ``PATCHES``; the gaps they close:
    wraps the model instance's ``load_weights`` (every load path: startup,
    ``update_weights_from_disk`` / ``_tensor`` / ``_distributed``) so
    checkpoint names are mapped through the pluggy name-mapping hook onto the
-   model's placeholders first, and names that fit no layer are reported once.
+   model's placeholders first, and names that fit no layer are reported once. In a
+   speculative-decoding draft built from the checkpoint's MTP layers
+   (``model_config.is_draft_model``: MiMoMTP, Glm4MoeForCausalLMNextN,
+   Qwen3NextForCausalLMMTP, Qwen3_5ForCausalLMMTP, ...), the MTP layers' scales
+   (``names.mtp_layer_ordinal``) are loaded straight into the draft's attention layers:
+   SGLang's draft loaders rename checkpoint tensors each their own way and crash on
+   (MiMo, Qwen3-Next) or drop (GLM-4-MoE) scale names.
 2. ``sglang.srt.model_loader.weight_utils.maybe_remap_kv_scale_name`` (AROUND): where
    SGLang's ``load_weights`` looks scale names up, stock appends a second ``.attn``
    to an already-mapped name (or drops ``qkv_proj.k_scale``); names that map onto a
@@ -20,12 +26,14 @@ SGLang moves code. Each patch is one entry of ``PATCHES``; the gaps they close:
    Mixtral with an unknown quantization name to ``QuantMixtralForCausalLM``, which has
    no compressed-tensors weight handling; under ``--quantization kvscale`` the
    architecture is resolved as for ``compressed-tensors``, so Mixtral keeps its class.
-4. ``sglang.srt.models.qwen3.Qwen3Attention.__init__`` and
-5. ``sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__`` (AFTER): dense Qwen3 and
-   Qwen3-MoE build ``RadixAttention`` without ``quant_config``, so compressed-tensors
-   KV scales are silently dropped for them; the patch attaches the kvscale KV method
-   after ``__init__`` (and keeps Qwen3's fused CPU scale copies equal to the served
-   scales). A SGLang that passes ``quant_config`` itself is left alone.
+4. ``sglang.srt.models.qwen3.Qwen3Attention.__init__``,
+5. ``sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__`` and
+6. ``sglang.srt.models.glm4_moe.Glm4MoeAttention.__init__`` (AFTER): dense Qwen3,
+   Qwen3-MoE and GLM-4-MoE (its stack and its NextN draft) build ``RadixAttention``
+   without ``quant_config``, so compressed-tensors KV scales are silently dropped for
+   them; the patch attaches the kvscale KV method after ``__init__`` (and keeps Qwen3's
+   fused CPU scale copies equal to the served scales). A SGLang that passes
+   ``quant_config`` itself is left alone.
 
 A moved target fails loudly. SGLang's ``HookRegistry.apply_hooks`` only logs a target
 it cannot resolve and carries on, which would serve with stock behaviour (dropped or
@@ -55,10 +63,16 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_plugin_source
 
 from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin._log import logger
 from kvscale_plugin.hosts._common import warn_unmapped_scales
 from kvscale_plugin.hosts.sglang import TESTED_SGLANG_VERSIONS
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
-from kvscale_plugin.names import map_scale_name, names_attention_layer
+from kvscale_plugin.names import (
+    declared_mtp_layers,
+    map_scale_name,
+    mtp_layer_ordinal,
+    names_attention_layer,
+)
 
 #: The SGLang release these patches were written against (and tested with).
 WRITTEN_AGAINST = "0.5.23"
@@ -70,13 +84,61 @@ _ACTIVE_CONFIG: contextvars.ContextVar[KVScaleConfig | None] = contextvars.Conte
 )
 
 
+@dataclass(frozen=True)
+class MtpLayers:
+    """How a model relates to the checkpoint's multi-token-prediction (MTP) layers.
+
+    ``num_hidden_layers`` is the main stack's depth (``layers.N`` with N at or beyond it
+    is an MTP layer, as GLM-4-MoE / DeepSeek-V3 name them). ``draft_layers`` are the
+    attention layers of a speculative-decoding draft model (SGLang's ``MiMoMTP``,
+    ``Glm4MoeForCausalLMNextN``, ``Qwen3NextForCausalLMMTP``, ``Qwen3_5ForCausalLMMTP``,
+    ...) in build order, MTP layer ``i`` served by ``draft_layers[i]``; None for the
+    target model, which builds no MTP layer.
+    """
+
+    num_hidden_layers: int | None
+    draft_layers: tuple[torch.nn.Module, ...] | None = None
+    # How many MTP layers the checkpoint's config declares (0: none, so a ``layers.N``
+    # beyond the stack is a stray name, reported as such in the target model).
+    declared: int = 0
+
+
+def _load_draft_scale(
+    name: str, tensor: torch.Tensor, mapped: str, ordinal: int, mtp: MtpLayers
+) -> bool:
+    """Load MTP layer ``ordinal``'s KV-scale tensor ``name`` straight into the draft's
+    attention layer; False when the draft has no placeholder for it (left to SGLang).
+
+    Straight into the placeholder, because SGLang 0.5.23's draft loaders translate
+    checkpoint names each their own way and lose or trip over scale names: MiMoMTP
+    raises ``KeyError: 'model.mtp_block.self_attn.k_scale'``, Qwen3NextForCausalLMMTP
+    asserts ``Expected 1.0, got ... in skipped model.layers.0.k_scale``.
+    """
+    layers = mtp.draft_layers or ()
+    if ordinal >= len(layers):
+        # SGLang's drafts build one MTP layer (num_nextn_predict_layers is forced to 1)
+        # and reuse it for every draft step: later MTP layers are not served.
+        logger.debug("kvscale: %s is MTP layer %d's; the draft does not build it", name, ordinal)
+        return True
+    layer = layers[ordinal]
+    kind = mapped.rsplit(".", 1)[-1]
+    param = getattr(layer, kind, None)
+    if not getattr(param, PLACEHOLDER_ATTR, False):
+        return False
+    layer.kvscale_state.checkpoint_names[kind] = name
+    param.weight_loader(param, tensor)
+    return True
+
+
 def _map_weight_names(
     weights: Iterable[tuple[str, torch.Tensor]],
     targets: set[str],
     model_type: str | None,
     unmapped: set[str] | None = None,
+    mtp: MtpLayers | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename checkpoint KV-scale tensors to this model's placeholders, lazily."""
+    """Rename checkpoint KV-scale tensors to this model's placeholders, lazily (a draft
+    model's MTP-layer scales are loaded into its attention layers instead)."""
     if not targets:  # no KV scheme: nothing to map onto, names stay as they are
         yield from weights
         return
@@ -85,11 +147,23 @@ def _map_weight_names(
         # but only a placeholder this model owns is mapped onto: other names (e.g.
         # another PP rank's layers) stay as they are, for the model's loader to decide.
         mapped = map_scale_name(name, HOST, model_type)
+        if mapped is not None and mtp is not None:
+            ordinal = mtp_layer_ordinal(name, mtp.num_hidden_layers)
+            if ordinal is not None and mtp.draft_layers is not None:
+                # A draft loads an MTP layer's scales itself.
+                if not _load_draft_scale(name, tensor, mapped, ordinal, mtp):
+                    yield name, tensor
+                continue
+            if ordinal is not None and ordinal < mtp.declared:
+                yield name, tensor  # the draft model's, not a layer this model lacks
+                continue
         if mapped is not None and mapped != name and mapped in targets:
             name = mapped
         elif (
             mapped is not None
             and unmapped is not None
+            # A draft built from the target's checkpoint sees the target's scales too.
+            and (mtp is None or mtp.draft_layers is None)
             and mapped not in targets
             and not names_attention_layer(mapped, _placeholder_layers(targets))
         ):
@@ -101,9 +175,16 @@ def _placeholder_layers(targets: set[str]) -> set[str]:
     return {t.rsplit(".", 1)[0] for t in targets}
 
 
-def _install_name_mapping(model: torch.nn.Module, cfg: KVScaleConfig) -> None:
+def _install_name_mapping(
+    model: torch.nn.Module,
+    cfg: KVScaleConfig,
+    num_hidden_layers: int | None = None,
+    draft: bool = False,
+    declared_mtp: int = 0,
+) -> None:
     """Wrap this model instance's ``load_weights``: every load path (startup,
-    update_weights_from_disk / _tensor / _distributed) goes through it."""
+    update_weights_from_disk / _tensor / _distributed) goes through it. ``draft``: the
+    model is a speculative-decoding draft built from the checkpoint's MTP layers."""
     original = model.load_weights
     if getattr(original, "_kvscale_wrapped", False):
         return
@@ -117,12 +198,22 @@ def _install_name_mapping(model: torch.nn.Module, cfg: KVScaleConfig) -> None:
             if owner is not None
             else set()
         )
+        draft_layers = (
+            tuple(
+                m
+                for m in owner.modules()
+                if isinstance(m, RadixAttention) and getattr(m, "kvscale_state", None) is not None
+            )
+            if draft and owner is not None
+            else None
+        )
+        mtp = MtpLayers(num_hidden_layers, draft_layers, declared_mtp)
         cfg.weight_loads += 1
         token = _ACTIVE_CONFIG.set(cfg)
         try:
             unmapped: set[str] = set()
             result = original(
-                _map_weight_names(weights, targets, cfg.model_type, unmapped), *args, **kwargs
+                _map_weight_names(weights, targets, cfg.model_type, unmapped, mtp), *args, **kwargs
             )
             if unmapped:
                 warn_unmapped_scales(unmapped)
@@ -136,13 +227,24 @@ def _install_name_mapping(model: torch.nn.Module, cfg: KVScaleConfig) -> None:
 
 def _hook_initialize_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
     """AFTER ``model_loader.loader._initialize_model``: set up kvscale models only."""
+    model_config = args[0] if args else kwargs.get("model_config")
     quant_config = args[2] if len(args) > 2 else kwargs.get("quant_config")
     if quant_config is None:
         quant_config = getattr(model, "quant_config", None)
     if isinstance(quant_config, KVScaleConfig) and hasattr(model, "load_weights"):
         if quant_config.model_type is None:
             quant_config.model_type = getattr(getattr(model, "config", None), "model_type", None)
-        _install_name_mapping(model, quant_config)
+        layers = getattr(model_config, "num_hidden_layers", None)
+        _install_name_mapping(
+            model,
+            quant_config,
+            num_hidden_layers=layers if isinstance(layers, int) else None,
+            draft=bool(getattr(model_config, "is_draft_model", False)),
+            declared_mtp=declared_mtp_layers(
+                getattr(model_config, "hf_config", None),
+                getattr(model_config, "hf_text_config", None),
+            ),
+        )
     return None
 
 
@@ -181,6 +283,8 @@ def _hook_model_architecture(
 ATTENTION_WITHOUT_QUANT_CONFIG = (
     "sglang.srt.models.qwen3.Qwen3Attention",
     "sglang.srt.models.qwen3_moe.Qwen3MoeAttention",
+    # GLM-4-MoE's stack and its NextN (MTP) draft, Glm4MoeForCausalLMNextN.
+    "sglang.srt.models.glm4_moe.Glm4MoeAttention",
 )
 
 

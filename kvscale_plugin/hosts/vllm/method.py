@@ -31,7 +31,7 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import info_once, warn_once
+from kvscale_plugin._log import info_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
@@ -42,7 +42,12 @@ from kvscale_plugin.hosts._common import (
 )
 from kvscale_plugin.hosts.vllm.parity import install as install_name_parity
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
-from kvscale_plugin.names import map_scale_name, names_attention_layer
+from kvscale_plugin.names import (
+    declared_mtp_layers,
+    map_scale_name,
+    mtp_layer_ordinal,
+    names_attention_layer,
+)
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
@@ -63,6 +68,8 @@ _ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
 
 
 _UNMAPPED_PREFIX = "__kvscale_unmapped__."
+# "warn once" scope of an MTP draft's own warnings (beside its target model's).
+DRAFT_SCOPE = "mtp-draft:"
 
 
 class _HookRenaming:
@@ -81,6 +88,12 @@ class _HookRenaming:
         mapped = map_scale_name(key, HOST, self.config.model_type)
         if mapped is None:
             return key, None
+        if self.config.mtp_ordinal(key) is not None:
+            # An MTP layer's scale: the target model skips it (by its prefix, as stock
+            # does); the MTP draft loads it (``_route_draft_scales``). Noted for the
+            # reload check: vLLM's in-place reload never reaches the draft.
+            self.config.mtp_scales_seen.add(key)
+            return mapped, None
         if not self.config.has_attention_layer_for(mapped):
             self.config.unmapped_scales.add(key)
             return _UNMAPPED_PREFIX + key, None
@@ -112,6 +125,14 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.corrupt_scales: dict[str, str] = {}
         # Checkpoint KV-scale tensors that name no attention layer of this model.
         self.unmapped_scales: set[str] = set()
+        # The main stack's depth and the checkpoint's MTP (draft) layer count, from the
+        # model config (``maybe_update_config``): which scale names are MTP layers'.
+        self.num_hidden_layers: int | None = None
+        self.num_mtp_layers = 0
+        # MTP-layer KV-scale tensors the target model was given in this load cycle.
+        self.mtp_scales_seen: set[str] = set()
+        # Set by the reload check while vLLM finalizes an in-place reload.
+        self.reload_in_progress = False
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
@@ -140,6 +161,18 @@ class KVScaleConfig(CompressedTensorsConfig):
         super().maybe_update_config(model_name, hf_config=hf_config, revision=revision)
         self.model_type = getattr(hf_config, "model_type", None)
         warn_vision_tower_difference(getattr(hf_config, "architectures", None))
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        layers = getattr(text, "num_hidden_layers", None)
+        self.num_hidden_layers = layers if isinstance(layers, int) else None
+        self.num_mtp_layers = declared_mtp_layers(text)
+
+    def mtp_ordinal(self, checkpoint_name: str) -> int | None:
+        """The MTP layer (from 0) a checkpoint tensor belongs to, when the model config
+        declares that many MTP layers; else None."""
+        if not self.num_mtp_layers:
+            return None
+        ordinal = mtp_layer_ordinal(checkpoint_name, self.num_hidden_layers)
+        return ordinal if ordinal is not None and ordinal < self.num_mtp_layers else None
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
         # The scheme's keys are field names, never module paths: keep it as declared.
@@ -241,6 +274,14 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             is_quantized_kv_cache(layer.kv_cache_dtype)
         )
         if applies and cfg.corrupt_scales:
+            if cfg.reload_in_progress:
+                # An in-place reload: raising here would leave vLLM's layerwise reload
+                # half done (its buffered tensors replayed by the next reload). Every
+                # layer keeps the scales it had; the reload check refuses the reload
+                # once vLLM has finished.
+                for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
+                    delattr(layer, name)
+                return
             raise CorruptScaleError(format_corrupt_scales(cfg.corrupt_scales))
 
         fnuz = current_platform.is_fp8_fnuz()
@@ -251,7 +292,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 and cfg.kv_verdict.declared
                 and not _is_dummy_load()
             ):
-                _warn_missing_scales(cfg)
+                _warn_missing_scales(cfg, draft=getattr(layer, "kvscale_draft", False))
             # As stock vLLM: a q scale only when the checkpoint has one, else 1.0.
             factor = 2.0 if fnuz else 1.0
             q = loaded["q_scale"]
@@ -428,7 +469,9 @@ def _loaded_value(param: torch.Tensor) -> tuple[float, ...] | None:
     return tuple(float(x) for x in param.detach().float().reshape(-1).tolist())
 
 
-def _warn_missing_scales(cfg: KVScaleConfig) -> None:
+def _warn_missing_scales(cfg: KVScaleConfig, *, draft: bool = False) -> None:
+    # The target model's layers are processed (placeholders consumed) before an MTP
+    # draft is built, so a draft's warning lists its own layers, in its own warning.
     warn_missing_scales(
         (
             name
@@ -437,7 +480,7 @@ def _warn_missing_scales(cfg: KVScaleConfig) -> None:
             and not getattr(layer.k_scale, "kvscale_loaded", False)
             and not getattr(layer.v_scale, "kvscale_loaded", False)
         ),
-        cfg.warn_scope,
+        f"{cfg.warn_scope}{DRAFT_SCOPE}" if draft else cfg.warn_scope,
     )
 
 
@@ -449,62 +492,13 @@ def _explicit_fp8_cache() -> bool:
     return isinstance(dtype, str) and is_quantized_kv_cache(dtype)
 
 
-def _layers_reloaded_without_scales(model: torch.nn.Module) -> dict[str, KVScaleConfig]:
-    """kvscale attention layers that the reload in progress gave no tensor at all
-    (vLLM then puts their old tensors back and never calls the KV method)."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    found: dict[str, KVScaleConfig] = {}
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if not isinstance(method, KVScaleKVCacheMethod):
-            continue
-        cfg = method.quant_config
-        if not (cfg.kv_verdict.supported and is_quantized_kv_cache(module.kv_cache_dtype)):
-            continue
-        if get_layerwise_info(module).load_numel <= 0:
-            found[getattr(module, "layer_name", name)] = cfg
-    return found
-
-
-_RELOAD_WRAPPED = "__kvscale_reload_check__"
-
-
-def install_reload_check() -> None:
-    """Idempotent: after an in-place reload (``collective_rpc("reload_weights")``, RL
-    weight sync), report the layers whose reloaded weights carried no k/v scales while
-    the checkpoint declares a scheme -- vLLM gives no per-layer hook for them."""
-    from vllm.model_executor.model_loader.reload import inplace
-
-    original = inplace.finalize_layerwise_reload
-    if getattr(original, _RELOAD_WRAPPED, False):
-        return
-
-    def finalize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        silent = _layers_reloaded_without_scales(model)
-        result = original(model, *args, **kwargs)
-        if silent:
-            cfg = next(iter(silent.values()))
-            names = sorted(silent)
-            shown = ", ".join(names[:4]) + (
-                f", ... ({len(names)} layers)" if len(names) > 4 else ""
-            )
-            warn_once(
-                f"{cfg.warn_scope}reload-without-scales",
-                "kvscale: the reloaded weights carry no k_scale/v_scale tensors for %s, "
-                "although the checkpoint declares a kv_cache_scheme; those layers keep the "
-                "scales they had (1.0 after a dummy start). Reload a checkpoint with "
-                "calibrated KV scales (kvscale calibrate), or serve with a bf16 KV cache.",
-                shown,
-            )
-        return result
-
-    setattr(finalize_layerwise_reload, _RELOAD_WRAPPED, True)
-    finalize_layerwise_reload.__wrapped__ = original  # type: ignore[attr-defined]
-    inplace.finalize_layerwise_reload = finalize_layerwise_reload
-
-
 def register_quantization() -> None:
     register_quantization_config(QUANTIZATION_METHOD)(KVScaleConfig)
     install_name_parity()
+    # Beside KVScaleKVCacheMethod, which they look for in a model; imported here, once
+    # this module is complete.
+    from kvscale_plugin.hosts.vllm.mtp import install_draft_routing
+    from kvscale_plugin.hosts.vllm.reload import install_reload_check
+
     install_reload_check()
+    install_draft_routing()

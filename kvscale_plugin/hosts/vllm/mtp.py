@@ -1,0 +1,117 @@
+"""MTP (speculative-decoding draft) layers: their checkpoint KV scales reach the draft's
+attention layers (imported by ``method.register_quantization``).
+
+vLLM 0.32 builds an MTP draft as its own model (``*_mtp`` model type) from the same
+checkpoint, and its drafts route checkpoint names on their own: MiMo's never applies a
+quantization config's scale-name mapper and GLM-4-MoE's looks names up in its
+parameters, so stock crashes on any MTP-layer scale. kvscale takes the KV-scale tensors
+out of the draft's weight stream and loads MTP layer N's into the draft's N-th
+attention layer itself, through the same loaders (validation, corrupt-scale record) as
+the main stack.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from kvscale_plugin.hosts._common import warn_unmapped_scales
+from kvscale_plugin.hosts.vllm.method import (
+    DRAFT_SCOPE,
+    HOST,
+    KVScaleConfig,
+    KVScaleKVCacheMethod,
+)
+from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal
+
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _is_mtp_draft(model_config: Any) -> bool:
+    """vLLM 0.32 builds every MTP draft under an ``*_mtp`` model type
+    (``SpeculativeConfig.hf_config_override``: ``mimo_mtp``, ``glm4_moe_mtp``,
+    ``qwen3_next_mtp``, ``qwen3_5_mtp``, ``deepseek_mtp``, ...)."""
+    model_type = getattr(getattr(model_config, "hf_config", None), "model_type", None)
+    return isinstance(model_type, str) and model_type.endswith("_mtp")
+
+
+def _draft_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The draft's kvscale attention layers, in layer order: MTP layer i's is the i-th."""
+    layers = [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "quant_method", None), KVScaleKVCacheMethod)
+        and hasattr(module, "k_scale")
+    ]
+
+    def number(layer: torch.nn.Module) -> int:
+        found = _LAYER_NUMBER.findall(str(getattr(layer, "layer_name", "")) + ".")
+        return int(found[-1]) if found else -1
+
+    return sorted(layers, key=number)
+
+
+def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: KVScaleConfig) -> Any:
+    """Yield ``weights`` minus its KV-scale tensors; load each MTP layer's into the
+    draft's attention layer for it, directly through kvscale's loaders.
+
+    vLLM 0.32's MTP drafts route checkpoint names on their own, and some never apply a
+    quantization config's scale-name mapper (MiMo's ``AutoWeightsLoader`` finds no
+    ``quant_config`` on the model; GLM-4-MoE's ``load_weights`` looks names up in its
+    parameters): stock crashes there on any MTP-layer scale. The main stack's scales
+    are the target model's and are left out (every draft skips them)."""
+    unmapped: set[str] = set()
+    for name, tensor in weights:
+        mapped = map_scale_name(name, HOST, cfg.model_type)
+        if mapped is None:
+            yield name, tensor
+            continue
+        ordinal = mtp_layer_ordinal(name, cfg.num_hidden_layers)
+        if ordinal is None or name in cfg.unmapped_scales:
+            continue  # the target model's, or already reported by it
+        kind = mapped.rsplit(".", 1)[1]
+        param = getattr(layers[ordinal], kind, None) if ordinal < len(layers) else None
+        loader = getattr(param, "weight_loader", None)
+        if param is None or loader is None:
+            unmapped.add(name)
+            continue
+        before = set(cfg.corrupt_scales)
+        loader(param, tensor)
+        # Name the checkpoint's tensor: a draft layer's engine name is not in the file.
+        for key in set(cfg.corrupt_scales) - before:
+            why = cfg.corrupt_scales.pop(key)
+            head = key[key.index("[") :] if "[" in key else ""
+            cfg.corrupt_scales[f"{name}{head} (MTP draft layer {layers[ordinal].layer_name})"] = why
+    if unmapped:
+        warn_unmapped_scales(unmapped, f"{cfg.warn_scope}{DRAFT_SCOPE}")
+
+
+_DRAFT_WRAPPED = "__kvscale_draft_routing__"
+
+
+def install_draft_routing() -> None:
+    """Idempotent: MTP drafts built by vLLM's default loader get their layers' KV scales
+    from kvscale (``_route_draft_scales``); every other model's weights pass untouched."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    original = DefaultModelLoader.get_all_weights
+    if getattr(original, _DRAFT_WRAPPED, False):
+        return
+
+    def get_all_weights(self: Any, model_config: Any, model: torch.nn.Module) -> Any:
+        weights = original(self, model_config, model)
+        if not _is_mtp_draft(model_config):
+            return weights
+        layers = _draft_attention_layers(model)
+        if not layers:
+            return weights  # no kvscale KV method in this draft: stock behaviour
+        for layer in layers:
+            layer.kvscale_draft = True
+        return _route_draft_scales(weights, layers, layers[0].quant_method.quant_config)
+
+    setattr(get_all_weights, _DRAFT_WRAPPED, True)
+    get_all_weights.__wrapped__ = original  # type: ignore[attr-defined]
+    get_all_weights.__doc__ = original.__doc__
+    DefaultModelLoader.get_all_weights = get_all_weights  # type: ignore[method-assign]

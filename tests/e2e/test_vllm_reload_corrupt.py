@@ -1,0 +1,85 @@
+"""In-place reloads that carry corrupt KV scales, on one real vLLM CPU engine.
+
+vLLM 0.32's layerwise reload calls a layer's KV method only when the layer received a
+tensor; a layer whose only scale tensors are refused as corrupt received nothing. What
+kvscale guarantees per reload (``install_reload_check``):
+
+* a reload with any corrupt scale is refused with ``CorruptScaleError`` naming every bad
+  tensor -- also when *every* scale is corrupt (no layer's KV method runs then) -- and
+  every attention layer keeps the scales it had (vLLM's reload is let finish, so the
+  engine stays usable);
+* what a refused reload found corrupt is forgotten at the start of the next one: a later
+  reload that gives the once-corrupt layer no tensor at all is not failed by it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvscale_plugin.demo.probe import layer_scales, reload_weights, vllm_engine
+from kvscale_plugin.scales import CorruptScaleError
+
+pytestmark = pytest.mark.engine
+
+GOOD = {0: (2.0, 3.0), 1: (4.0, 5.0)}
+
+
+def _held(llm) -> dict[int, tuple[float, ...]]:
+    out = {}
+    for name, s in layer_scales(llm).items():
+        assert (s.k, s.v) == (s.k_float, s.v_float) == (s.k_cpu, s.v_cpu), s
+        out[int(name.split(".")[2])] = (s.k, s.v)
+    return out
+
+
+def _generates(llm) -> bool:
+    from vllm import SamplingParams
+
+    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4), use_tqdm=False)
+    return len(out[0].outputs[0].token_ids) == 4
+
+
+def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
+    good = tiny("reload-good", scales=GOOD)
+    one_bad = tiny("reload-one-bad", scales={0: (2.5, 3.5), 1: (math.nan, 5.5)})
+    all_bad = tiny("reload-all-bad", scales={i: (math.nan, -1.0) for i in range(2)})
+    layer0_only = tiny(
+        "reload-layer0-only",
+        write_scales=False,
+        extra_tensors={
+            "model.layers.0.self_attn.k_scale": torch.tensor([6.0]),
+            "model.layers.0.self_attn.v_scale": torch.tensor([7.0]),
+        },
+    )
+    with vllm_engine(good, quantization="kvscale") as llm:
+        assert _held(llm) == GOOD
+
+        with pytest.raises(CorruptScaleError) as info:
+            reload_weights(llm, one_bad)
+        text = str(info.value)
+        assert "model.layers.1.self_attn.attn.k_scale: NaN" in text, text
+        assert "every attention layer keeps the KV scales it had" in text
+        assert _held(llm) == GOOD  # layer 0's valid (2.5, 3.5) is not taken either
+        assert _generates(llm)
+
+        # Layer 1 gets no tensor now: its corrupt k_scale of the refused reload is moot.
+        reload_weights(llm, layer0_only)
+        assert _held(llm) == {0: (6.0, 7.0), 1: GOOD[1]}
+        silent = kvscale_warnings("carry no k_scale/v_scale tensors")
+        assert len(silent) == 1 and "model.layers.1.self_attn.attn" in silent[0], silent
+
+        # Every scale corrupt: no layer's KV method runs, the reload is still refused.
+        with pytest.raises(CorruptScaleError) as info:
+            reload_weights(llm, all_bad)
+        text = str(info.value)
+        for i in range(2):
+            assert f"model.layers.{i}.self_attn.attn.k_scale: NaN" in text, text
+            assert f"model.layers.{i}.self_attn.attn.v_scale: -1.0 (negative)" in text, text
+        assert _held(llm) == {0: (6.0, 7.0), 1: GOOD[1]}
+        assert _generates(llm)
+
+        reload_weights(llm, good)
+        assert _held(llm) == GOOD
