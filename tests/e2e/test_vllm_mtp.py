@@ -42,6 +42,12 @@ DRAFT_LAYER = {
     "glm4_moe": "model.layers.2.self_attn.attn",
     "qwen3_next": "mtp.layers.0.self_attn.attn",
 }
+#: family -> the checkpoint tensor of MTP layer 0's k_scale
+MTP_K_SCALE = {
+    "mimo": "model.mtp_layers.0.self_attn.k_scale",
+    "glm4_moe": "model.layers.2.self_attn.k_scale",
+    "qwen3_next": "mtp.layers.0.self_attn.k_scale",
+}
 MTP = {
     "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
     # vLLM's CPU build runs hybrid (Gated DeltaNet) models only without prefix caching:
@@ -140,15 +146,17 @@ def test_without_speculative_decoding_mtp_scales_stay_unused_silently(tiny, kvsc
     assert not kvscale_warnings("reloads the target model only")
 
 
-def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings):
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
+def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings, family):
     """vLLM 0.32's ``reload_weights`` reloads the target model only (the drafter never
     sees the weights): the target takes the new scales, the MTP draft keeps the ones it
-    started with, and kvscale says so once per engine -- not silently."""
-    first = _mtp_ckpt(tiny, "mimo")
+    started with, and kvscale says so once per engine -- not silently -- naming the
+    reload's MTP tensors in each family's own naming."""
+    first = _mtp_ckpt(tiny, family)
     second = _mtp_ckpt(
         tiny,
-        "mimo",
-        "mtp-mimo-second",
+        family,
+        f"mtp-{family}-second",
         scales={0: (2.0, 3.0), 1: (4.0, 5.0)},
         mtp_scales={0: (6.0, 7.0)},
     )
@@ -158,7 +166,7 @@ def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings):
         reload_weights(llm, second)
         scales = layer_scales(llm)
         assert len(_generate(llm)) == 8
-    draft = scales.pop(DRAFT_LAYER["mimo"])
+    draft = scales.pop(DRAFT_LAYER[family])
     assert (draft.k, draft.v) == pytest.approx((start["k"], start["v"]), rel=REL)
     assert (start["k"], start["v"]) != (6.0, 7.0)
     assert {name.split(".")[-3]: (s.k, s.v) for name, s in scales.items()} == {
@@ -167,8 +175,8 @@ def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings):
     }
     warned = kvscale_warnings("reloads the target model only")
     assert len(warned) == 1, warned  # two reloads, one warning
-    assert "model.mtp_layers.0.self_attn.k_scale" in warned[0], warned
-    assert DRAFT_LAYER["mimo"] in warned[0], warned
+    assert DRAFT_LAYER[family] in warned[0], warned
+    assert MTP_K_SCALE[family] in warned[0], warned
 
 
 def test_corrupt_mtp_scale_names_the_checkpoint_tensor(tiny):

@@ -8,6 +8,10 @@ kvscale guarantees per reload (``install_reload_check``):
   tensor -- also when *every* scale is corrupt (no layer's KV method runs then) -- and
   every attention layer keeps the scales it had (vLLM's reload is let finish, so the
   engine stays usable);
+* the error is raised by the worker's entry point after vLLM's own after-reload steps
+  (``reload_weights`` resets the LoRA / encoder / multimodal caches; a weight-transfer
+  session's ``finish_weight_update`` ends the session), which a raise from inside the
+  layerwise reload would skip -- the reload's other weights are in place by then;
 * what a refused reload found corrupt is forgotten at the start of the next one: a later
   reload that gives the once-corrupt layer no tensor at all is not failed by it.
 """
@@ -42,6 +46,11 @@ def _generates(llm) -> bool:
     return len(out[0].outputs[0].token_ids) == 4
 
 
+def _worker(llm):
+    # In-process engine (the suite sets VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    return llm.llm_engine.model_executor.driver_worker.worker
+
+
 def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
     good = tiny("reload-good", scales=GOOD)
     one_bad = tiny("reload-one-bad", scales={0: (2.5, 3.5), 1: (math.nan, 5.5)})
@@ -56,12 +65,18 @@ def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
     )
     with vllm_engine(good, quantization="kvscale") as llm:
         assert _held(llm) == GOOD
+        runner = _worker(llm).model_runner
+        resets: list[str] = []
+        reset_mm_cache = runner.reset_mm_cache
+        runner.reset_mm_cache = lambda: (resets.append("mm"), reset_mm_cache())[1]
 
         with pytest.raises(CorruptScaleError) as info:
             reload_weights(llm, one_bad)
         text = str(info.value)
         assert "model.layers.1.self_attn.attn.k_scale: NaN" in text, text
         assert "every attention layer keeps the KV scales it had" in text
+        assert "other weights are in place" in text
+        assert resets == ["mm"]  # the runner finished its reload before the error
         assert _held(llm) == GOOD  # layer 0's valid (2.5, 3.5) is not taken either
         assert _generates(llm)
 
@@ -83,3 +98,63 @@ def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
 
         reload_weights(llm, good)
         assert _held(llm) == GOOD
+
+
+class _FileTransfer:
+    """A weight-transfer engine doing at each step what vLLM 0.32's NCCL engine does
+    (``initialize_layerwise_reload`` / ``model.load_weights`` / ``finalize_layerwise_reload``,
+    imported from ``vllm.model_executor.model_loader.reload``), with the weights read from
+    a checkpoint instead of broadcast by a trainer (no NCCL on a CPU machine)."""
+
+    supports_draft_weight_update = False
+
+    def __init__(self, model, model_config) -> None:
+        self.model, self.model_config = model, model_config
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, model_dir) -> None:
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+        files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
+        self.model.load_weights(safetensors_weights_iterator(files, False))
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def reset_weight_update_target(self) -> None:
+        pass
+
+
+def test_weight_transfer_session_with_corrupt_scales_is_refused_and_ended(tiny):
+    """RL weight sync (``start_weight_update`` / ``update_weights`` /
+    ``finish_weight_update`` on the real worker): a corrupt scale fails
+    ``finish_weight_update`` naming the tensor, after the worker ended the session, so
+    the next session can start; the layers keep their scales meanwhile."""
+    good = tiny("reload-good", scales=GOOD)
+    bad = tiny("transfer-bad", scales={0: (2.5, 3.5), 1: (math.inf, 5.5)})
+    newer = tiny("transfer-newer", scales={0: (8.0, 9.0), 1: (10.0, 11.0)})
+    with vllm_engine(good, quantization="kvscale") as llm:
+        worker = _worker(llm)
+        worker.weight_transfer_engine = _FileTransfer(
+            worker.model_runner.get_model(), worker.vllm_config.model_config
+        )
+        worker.start_weight_update()
+        worker.update_weights(bad)
+        with pytest.raises(CorruptScaleError) as info:
+            worker.finish_weight_update()
+        text = str(info.value)
+        assert "model.layers.1.self_attn.attn.k_scale: inf (infinite)" in text, text
+        assert _held(llm) == GOOD
+        assert not worker._weight_update_active
+        assert _generates(llm)
+
+        worker.start_weight_update()  # "already active" if the session had not ended
+        worker.update_weights(newer)
+        worker.finish_weight_update()
+        assert _held(llm) == {0: (8.0, 9.0), 1: (10.0, 11.0)}

@@ -164,7 +164,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         layers = getattr(text, "num_hidden_layers", None)
         self.num_hidden_layers = layers if isinstance(layers, int) else None
-        self.num_mtp_layers = declared_mtp_layers(text)
+        self.num_mtp_layers = declared_mtp_layers(hf_config, text)
 
     def mtp_ordinal(self, checkpoint_name: str) -> int | None:
         """The MTP layer (from 0) a checkpoint tensor belongs to, when the model config
@@ -227,6 +227,11 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
     def create_weights(self, layer: torch.nn.Module) -> None:
         # Called again on every in-place reload: build fresh placeholders each time.
         cfg = self.quant_config
+        # In an engine's worker process, by now: its reload entry points get kvscale's
+        # after-reload check (see reload.install_worker_wrappers; idempotent, cheap).
+        from kvscale_plugin.hosts.vllm.reload import install_worker_wrappers
+
+        install_worker_wrappers()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
         # A new load cycle for this layer: what an earlier cycle found corrupt is moot.

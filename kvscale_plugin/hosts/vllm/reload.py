@@ -1,11 +1,15 @@
-"""In-place reloads (``collective_rpc("reload_weights")``, RL weight sync): what vLLM's
-layerwise reload gives no per-layer hook for (imported by
+"""In-place reloads (``collective_rpc("reload_weights")``, and the weight-transfer
+engines' ``start_weight_update`` / ``finish_weight_update`` used for RL weight sync):
+what vLLM's layerwise reload gives no per-layer hook for (imported by
 ``method.register_quantization``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -63,14 +67,15 @@ def _corrupt_scales(model: torch.nn.Module) -> dict[str, str]:
 
 def _warn_draft_not_reloaded(configs: Iterable[KVScaleConfig]) -> None:
     """vLLM 0.32's ``reload_weights`` reloads the target model only (the model runner
-    passes ``get_model()``; the drafter is never given the weights). When the reload
-    carried MTP-layer KV scales and an MTP draft served by kvscale is alive, say that the
-    draft keeps the scales it started with -- once per engine."""
+    passes ``get_model()``; the drafter is never given the weights). When an MTP draft
+    served by kvscale is alive, say that it keeps the weights and scales it started
+    with -- once per engine, also for a reload without MTP-layer scales (the draft's
+    weights are then as stale), naming the reload's MTP-layer scale tensors if any."""
     from vllm.config import get_current_vllm_config_or_none
 
-    cfg = next((c for c in configs if c.mtp_scales_seen), None)
+    configs = list(configs)
     current = get_current_vllm_config_or_none()
-    if cfg is None or current is None:
+    if not configs or current is None:
         return
     # The worker reloads under its engine's config; the draft's attention layers are
     # registered in the same forward context as the target's.
@@ -82,47 +87,53 @@ def _warn_draft_not_reloaded(configs: Iterable[KVScaleConfig]) -> None:
         f"{getattr(layer, 'layer_name', '?')} k={layer._k_scale_float:g} v={layer._v_scale_float:g}"
         for layer in drafts[:4]
     )
+    seen = set().union(*(c.mtp_scales_seen for c in configs))
+    carried = (
+        f" The reload's MTP-layer KV scales ({shorten(seen, 'tensors')}) are not used."
+        if seen
+        else ""
+    )
     warn_once(
-        f"{cfg.warn_scope}reload-mtp-draft",
-        "kvscale: the reloaded weights carry KV scales for MTP layers (%s), but vLLM's "
-        "reload_weights reloads the target model only: the MTP draft keeps the scales "
-        "(and weights) it started with (%s). Restart the engine to serve the draft "
-        "with the new checkpoint's scales.",
-        shorten(cfg.mtp_scales_seen, "tensors"),
+        f"{configs[0].warn_scope}reload-mtp-draft",
+        "kvscale: vLLM's reload_weights reloads the target model only: the MTP draft "
+        "keeps the weights and KV scales it started with (%s).%s Restart the engine to "
+        "serve the draft from the new checkpoint.",
         held,
+        carried,
     )
 
 
 _RELOAD_WRAPPED = "__kvscale_reload_check__"
 
+# A corrupt reload found while a worker's reload entry point runs is raised by that entry
+# point after vLLM's own after-reload steps (cache resets, ending a weight update), not
+# from inside the layerwise reload, which would skip them.
+_deferred = threading.local()
 
-def install_reload_check() -> None:
-    """Idempotent: wrap vLLM's in-place reload (``collective_rpc("reload_weights")``, RL
-    weight sync) at both ends of a load cycle. At the start, forget the corrupt scales an
-    earlier cycle recorded (a layer that gets no tensor now would keep them for good).
-    While vLLM finalizes, layers keep their scales instead of raising (an exception there
-    leaves vLLM's reload half done); at the end, refuse the reload if any scale was
-    corrupt, and report the layers whose reloaded weights carried no k/v scales while the
-    checkpoint declares a scheme -- vLLM gives no per-layer hook for either."""
-    from vllm.model_executor.model_loader.reload import inplace
 
-    original_init = inplace.initialize_layerwise_reload
-    if not getattr(original_init, _RELOAD_WRAPPED, False):
+def _refusal(corrupt: dict[str, str]) -> CorruptScaleError:
+    return CorruptScaleError(
+        format_corrupt_scales(corrupt)
+        + "\nThe reload's KV scales are refused: every attention layer keeps the KV scales "
+        "it had. The reload's other weights are in place (vLLM loads them layer by layer, "
+        "before the scales can be checked): reload a checkpoint with valid KV scales "
+        "(check it with `kvscale inspect`) before relying on this engine's outputs."
+    )
 
-        def initialize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            for cfg in _kvscale_configs(model):
-                cfg.corrupt_scales.clear()
-                cfg.mtp_scales_seen.clear()
-            return original_init(model, *args, **kwargs)
 
-        setattr(initialize_layerwise_reload, _RELOAD_WRAPPED, True)
-        initialize_layerwise_reload.__wrapped__ = original_init  # type: ignore[attr-defined]
-        inplace.initialize_layerwise_reload = initialize_layerwise_reload
+def _initialize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        for cfg in _kvscale_configs(model):
+            cfg.corrupt_scales.clear()
+            cfg.mtp_scales_seen.clear()
+        return original(model, *args, **kwargs)
 
-    original = inplace.finalize_layerwise_reload
-    if getattr(original, _RELOAD_WRAPPED, False):
-        return
+    return initialize_layerwise_reload
 
+
+def _finalize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
     def finalize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         silent = _layers_reloaded_without_scales(model)
         configs = _kvscale_configs(model)
@@ -134,11 +145,10 @@ def install_reload_check() -> None:
             for cfg in configs:
                 cfg.reload_in_progress = False
         if corrupt := _corrupt_scales(model):
-            raise CorruptScaleError(
-                format_corrupt_scales(corrupt)
-                + "\nThe reload is refused: every attention layer keeps the KV scales it "
-                "had (the reload's other weights are in place)."
-            )
+            if getattr(_deferred, "depth", 0):
+                _deferred.error = _refusal(corrupt)
+                return result
+            raise _refusal(corrupt)
         _warn_draft_not_reloaded(configs)
         if silent:
             cfg = next(iter(silent.values()))
@@ -152,6 +162,64 @@ def install_reload_check() -> None:
             )
         return result
 
-    setattr(finalize_layerwise_reload, _RELOAD_WRAPPED, True)
-    finalize_layerwise_reload.__wrapped__ = original  # type: ignore[attr-defined]
-    inplace.finalize_layerwise_reload = finalize_layerwise_reload
+    return finalize_layerwise_reload
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, _RELOAD_WRAPPED, False):
+        return
+    wrapper = make(original)
+    setattr(wrapper, _RELOAD_WRAPPED, True)
+    setattr(owner, name, wrapper)
+
+
+def install_reload_check() -> None:
+    """Idempotent: wrap vLLM's layerwise reload at both ends of a load cycle, where
+    ``reload_weights`` calls it (``reload.inplace``) and where the weight-transfer
+    engines import it from (``model_loader.reload``). At the start, forget the corrupt
+    scales an earlier cycle recorded (a layer that gets no tensor now would keep them for
+    good). While vLLM finalizes, layers keep their scales instead of raising (an exception
+    there leaves vLLM's reload half done); at the end, refuse the reload if any scale was
+    corrupt, and report the layers whose reloaded weights carried no k/v scales while the
+    checkpoint declares a scheme -- vLLM gives no per-layer hook for either."""
+    from vllm.model_executor.model_loader import reload
+    from vllm.model_executor.model_loader.reload import inplace
+
+    for module in (inplace, reload):
+        _wrap(module, "initialize_layerwise_reload", _initialize_wrapper)
+        _wrap(module, "finalize_layerwise_reload", _finalize_wrapper)
+    install_worker_wrappers()
+
+
+def _raising_after(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def entry_point(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_deferred, "depth", 0)
+        _deferred.depth = outer + 1
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            _deferred.depth = outer
+            error = getattr(_deferred, "error", None) if outer == 0 else None
+            if outer == 0:
+                _deferred.error = None
+        if error is not None:
+            raise error
+        return result
+
+    return entry_point
+
+
+def install_worker_wrappers() -> None:
+    """Idempotent: a worker's reload entry points (``reload_weights``, which resets the
+    LoRA / encoder / multimodal caches after the reload, and ``finish_weight_update``,
+    which ends the weight-update session) raise a corrupt reload's error after their own
+    steps ran. Only once vLLM's worker module is loaded -- in an engine's worker process;
+    called again from the KV method as the model is built (the API server process never
+    imports it, so neither does kvscale)."""
+    worker = getattr(sys.modules.get("vllm.v1.worker.gpu_worker"), "Worker", None)
+    if worker is None:
+        return
+    for name in ("reload_weights", "finish_weight_update"):
+        _wrap(worker, name, _raising_after)
