@@ -139,6 +139,19 @@ def test_kvscale_loads_mtp_scales_into_the_draft(tiny, family):
     assert (3.5, 1.25) not in {(s["k"], s["v"]) for s in read_stored_scales(ckpt).values()}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_mtp_q_scale_is_skipped_like_the_main_stacks(tiny, family):
+    """SGLang keeps no q scale: the main stack's loaders skip one; the draft must too
+    (stock MiMoMTP raises KeyError on ``model.mtp_block.self_attn.q_scale``)."""
+    prefix = DRAFTS[family][1].rsplit(".", 1)[0]
+    ckpt = mtp_checkpoint(
+        tiny, family, tag="-q", extra_tensors={f"{prefix}.q_scale": torch.tensor(0.5)}
+    )
+    model, _ = build_draft(ckpt)
+    layer = only_layer(model)
+    assert (layer.k, layer.v, layer.k_float, layer.v_float) == (3.5, 1.25, 3.5, 1.25), layer
+
+
 @pytest.mark.parametrize("naming", ["k_proj", "kv_scale"])
 @pytest.mark.parametrize("family", ["mimo", "qwen3_next"])
 def test_kvscale_loads_mtp_scales_in_other_namings(tiny, family, naming):

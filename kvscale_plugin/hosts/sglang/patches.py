@@ -107,7 +107,7 @@ def _load_draft_scale(
     name: str, tensor: torch.Tensor, mapped: str, ordinal: int, mtp: MtpLayers
 ) -> bool:
     """Load MTP layer ``ordinal``'s KV-scale tensor ``name`` straight into the draft's
-    attention layer; False when the draft has no placeholder for it (left to SGLang).
+    attention layer; False when the draft's layer is not kvscale's (left to SGLang).
 
     Straight into the placeholder, because SGLang 0.5.23's draft loaders translate
     checkpoint names each their own way and lose or trip over scale names: MiMoMTP
@@ -124,7 +124,13 @@ def _load_draft_scale(
     kind = mapped.rsplit(".", 1)[-1]
     param = getattr(layer, kind, None)
     if not getattr(param, PLACEHOLDER_ATTR, False):
-        return False
+        if not getattr(getattr(layer, "k_scale", None), PLACEHOLDER_ATTR, False):
+            return False  # a draft layer kvscale does not serve: SGLang's loader decides
+        # A scale SGLang keeps no parameter for (q_scale: SGLang quantizes no query with
+        # a checkpoint scale). The main stack's loaders skip it; a draft's would raise
+        # (MiMoMTP: KeyError 'model.mtp_block.self_attn.q_scale').
+        logger.debug("kvscale: %s has no SGLang parameter; not loaded", name)
+        return True
     layer.kvscale_state.checkpoint_names[kind] = name
     param.weight_loader(param, tensor)
     return True
