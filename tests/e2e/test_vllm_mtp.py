@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from _run_script import run_script
+from _weight_transfer import FileTransfer
 
 from kvscale_plugin.demo.probe import layer_scales, reload_weights, vllm_engine
 from kvscale_plugin.demo.tinymodels import (
@@ -177,6 +178,49 @@ def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings, famil
     assert len(warned) == 1, warned  # two reloads, one warning
     assert DRAFT_LAYER[family] in warned[0], warned
     assert MTP_K_SCALE[family] in warned[0], warned
+
+
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
+def test_draft_weight_sync_takes_the_new_mtp_scales(tiny, kvscale_warnings, family):
+    """RL weight sync on the real worker (``_weight_transfer.FileTransfer`` in the NCCL
+    engine's place): a session for the target, then one aimed at the draft
+    (``start_draft_weight_update``: the draft's own ``load_weights`` gets the tensors,
+    which MiMo's draft loader cannot route). The draft takes MTP layer 0's new scales;
+    a corrupt one fails the draft session naming the checkpoint tensor, the draft keeping
+    its scales."""
+    first = _mtp_ckpt(tiny, family)
+    second = _mtp_ckpt(
+        tiny,
+        family,
+        f"mtp-{family}-second",
+        scales={0: (2.0, 3.0), 1: (4.0, 5.0)},
+        mtp_scales={0: (6.0, 7.0)},
+    )
+    bad = _mtp_ckpt(tiny, family, f"mtp-{family}-sync-bad", mtp_scales={0: (float("nan"), 2.0)})
+    with vllm_engine(first, quantization="kvscale", **MTP) as llm:
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        FileTransfer.attach(worker)
+        for start in (worker.start_weight_update, worker.start_draft_weight_update):
+            start()
+            worker.update_weights(second)
+            worker.finish_weight_update()
+        synced = layer_scales(llm)
+
+        worker.start_draft_weight_update()
+        worker.update_weights(bad)
+        with pytest.raises(CorruptScaleError) as info:
+            worker.finish_weight_update()
+        after_bad = layer_scales(llm)
+        assert len(_generate(llm)) == 8
+    for scales in (synced, after_bad):
+        assert {name: (s.k, s.v) for name, s in scales.items()} == {
+            "model.layers.0.self_attn.attn": (2.0, 3.0),
+            "model.layers.1.self_attn.attn": (4.0, 5.0),
+            DRAFT_LAYER[family]: (6.0, 7.0),
+        }
+    assert MTP_K_SCALE[family] in str(info.value), info.value
+    # Said once, at the target's session (the draft was synced after it).
+    assert len(kvscale_warnings("reloads the target model only")) == 1
 
 
 def test_corrupt_mtp_scale_names_the_checkpoint_tensor(tiny):

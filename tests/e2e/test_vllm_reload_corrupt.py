@@ -22,6 +22,7 @@ import math
 
 import pytest
 import torch
+from _weight_transfer import FileTransfer
 
 from kvscale_plugin.demo.probe import layer_scales, reload_weights, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
@@ -100,40 +101,10 @@ def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
         assert _held(llm) == GOOD
 
 
-class _FileTransfer:
-    """A weight-transfer engine doing at each step what vLLM 0.32's NCCL engine does
-    (``initialize_layerwise_reload`` / ``model.load_weights`` / ``finalize_layerwise_reload``,
-    imported from ``vllm.model_executor.model_loader.reload``), with the weights read from
-    a checkpoint instead of broadcast by a trainer (no NCCL on a CPU machine)."""
-
-    supports_draft_weight_update = False
-
-    def __init__(self, model, model_config) -> None:
-        self.model, self.model_config = model, model_config
-
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def update_weights(self, model_dir) -> None:
-        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-
-        files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
-        self.model.load_weights(safetensors_weights_iterator(files, False))
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-
-    def reset_weight_update_target(self) -> None:
-        pass
-
-
 def test_weight_transfer_session_with_corrupt_scales_is_refused_and_ended(tiny):
     """RL weight sync (``start_weight_update`` / ``update_weights`` /
-    ``finish_weight_update`` on the real worker): a corrupt scale fails
+    ``finish_weight_update`` on the real worker, ``_weight_transfer.FileTransfer`` in the
+    NCCL engine's place): a corrupt scale fails
     ``finish_weight_update`` naming the tensor, after the worker ended the session, so
     the next session can start; the layers keep their scales meanwhile."""
     good = tiny("reload-good", scales=GOOD)
@@ -141,9 +112,7 @@ def test_weight_transfer_session_with_corrupt_scales_is_refused_and_ended(tiny):
     newer = tiny("transfer-newer", scales={0: (8.0, 9.0), 1: (10.0, 11.0)})
     with vllm_engine(good, quantization="kvscale") as llm:
         worker = _worker(llm)
-        worker.weight_transfer_engine = _FileTransfer(
-            worker.model_runner.get_model(), worker.vllm_config.model_config
-        )
+        FileTransfer.attach(worker)
         worker.start_weight_update()
         worker.update_weights(bad)
         with pytest.raises(CorruptScaleError) as info:

@@ -12,6 +12,7 @@ the main stack.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -91,9 +92,29 @@ def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: KVScal
 _DRAFT_WRAPPED = "__kvscale_draft_routing__"
 
 
+def _route_later_loads(
+    model: torch.nn.Module, layers: list[torch.nn.Module], cfg: KVScaleConfig
+) -> None:
+    """Route every later ``load_weights`` call of this draft too: a weight-sync session
+    aimed at the draft (``start_draft_weight_update``; the NCCL engine calls
+    ``draft.load_weights`` with the trainer's tensors) meets the same name routing as
+    the draft's start-up load. Idempotent; a stream without KV scales passes as is."""
+    original = model.load_weights
+    if getattr(original, _DRAFT_WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(_route_draft_scales(weights, layers, cfg), *args, **kwargs)
+
+    setattr(load_weights, _DRAFT_WRAPPED, True)
+    model.load_weights = load_weights
+
+
 def install_draft_routing() -> None:
     """Idempotent: MTP drafts built by vLLM's default loader get their layers' KV scales
-    from kvscale (``_route_draft_scales``); every other model's weights pass untouched."""
+    from kvscale (``_route_draft_scales``), at start-up and in later weight syncs; every
+    other model's weights pass untouched."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     original = DefaultModelLoader.get_all_weights
@@ -109,7 +130,12 @@ def install_draft_routing() -> None:
             return weights  # no kvscale KV method in this draft: stock behaviour
         for layer in layers:
             layer.kvscale_draft = True
-        return _route_draft_scales(weights, layers, layers[0].quant_method.quant_config)
+        cfg = layers[0].quant_method.quant_config
+        # The loader has already looked up ``model.load_weights`` for this load (Python
+        # evaluates the callee before its argument, this stream): route this stream here,
+        # and later loads through the model.
+        _route_later_loads(model, layers, cfg)
+        return _route_draft_scales(weights, layers, cfg)
 
     setattr(get_all_weights, _DRAFT_WRAPPED, True)
     get_all_weights.__wrapped__ = original  # type: ignore[attr-defined]

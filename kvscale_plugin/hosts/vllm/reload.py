@@ -44,6 +44,11 @@ def _layers_reloaded_without_scales(model: torch.nn.Module) -> dict[str, KVScale
     }
 
 
+def _is_draft(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an MTP draft kvscale serves (a draft weight-sync session)."""
+    return any(getattr(layer, "kvscale_draft", False) for _, layer, _ in _kvscale_layers(model))
+
+
 def _kvscale_configs(model: torch.nn.Module) -> list[KVScaleConfig]:
     """The kvscale configs (normally one) whose KV method serves a layer of ``model``."""
     found = {id(cfg): cfg for _, _, cfg in _kvscale_layers(model)}
@@ -95,9 +100,11 @@ def _warn_draft_not_reloaded(configs: Iterable[KVScaleConfig]) -> None:
     )
     warn_once(
         f"{configs[0].warn_scope}reload-mtp-draft",
-        "kvscale: vLLM's reload_weights reloads the target model only: the MTP draft "
-        "keeps the weights and KV scales it started with (%s).%s Restart the engine to "
-        "serve the draft from the new checkpoint.",
+        "kvscale: this reload updated the target model only (vLLM's reload_weights "
+        "reloads the target model only; a weight-sync session reaches the draft through "
+        "start_draft_weight_update alone): the MTP draft keeps the weights and KV scales "
+        "it started with (%s).%s Sync the draft as well, or restart the engine, to serve "
+        "the draft from the new checkpoint.",
         held,
         carried,
     )
@@ -149,7 +156,8 @@ def _finalize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
                 _deferred.error = _refusal(corrupt)
                 return result
             raise _refusal(corrupt)
-        _warn_draft_not_reloaded(configs)
+        if not _is_draft(model):
+            _warn_draft_not_reloaded(configs)
         if silent:
             cfg = next(iter(silent.values()))
             warn_once(
