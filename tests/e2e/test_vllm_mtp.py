@@ -147,6 +147,30 @@ def test_without_speculative_decoding_mtp_scales_stay_unused_silently(tiny, kvsc
     assert not kvscale_warnings("reloads the target model only")
 
 
+def test_mtp_scales_in_the_other_naming_do_not_reach_the_target(tiny, kvscale_warnings):
+    """Both MTP namings apply to every family: a MiMo checkpoint that also names MTP
+    layer 0 ``model.layers.{L}`` (L = num_hidden_layers) starts -- the target never gets
+    that name (before, MiMo's loader raised ``ValueError: There is no module or parameter
+    named 'layers.2' in MiMoModel``)."""
+    ckpt = _mtp_ckpt(
+        tiny,
+        "mimo",
+        "mtp-mimo-main-stack-naming",
+        extra_tensors={
+            "model.layers.2.self_attn.k_scale": torch.tensor(9.0),
+            "model.layers.2.self_attn.v_scale": torch.tensor(9.0),
+        },
+    )
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        scales = layer_scales(llm)
+    stored = read_stored_scales(ckpt)
+    assert sorted(scales) == [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    for i in range(2):
+        held = scales[f"model.layers.{i}.self_attn.attn"]
+        assert (held.k, held.v) == pytest.approx((stored[i]["k"], stored[i]["v"]), rel=REL)
+    assert not kvscale_warnings("name no attention layer")
+
+
 @pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
 def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings, family):
     """vLLM 0.32's ``reload_weights`` reloads the target model only (the drafter never

@@ -89,11 +89,13 @@ class _HookRenaming:
         if mapped is None:
             return key, None
         if self.config.mtp_ordinal(key) is not None:
-            # An MTP layer's scale: the target model skips it (by its prefix, as stock
-            # does); the MTP draft loads it (``_route_draft_scales``). Noted for the
-            # reload check: vLLM's in-place reload never reaches the draft.
+            # An MTP layer's scale: never the target model's (vLLM builds MTP layers
+            # only in the draft, whose loads kvscale routes before any mapper:
+            # ``_route_draft_scales``), so dropped here -- the target's own loader
+            # would raise on a name it has no module for (MiMo: ``model.layers.{L}...``).
+            # Noted for the reload check: vLLM's in-place reload never reaches the draft.
             self.config.mtp_scales_seen.add(key)
-            return mapped, None
+            return _UNMAPPED_PREFIX + key, None
         if not self.config.has_attention_layer_for(mapped):
             self.config.unmapped_scales.add(key)
             return _UNMAPPED_PREFIX + key, None
