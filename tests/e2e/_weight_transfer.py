@@ -19,6 +19,12 @@ from typing import Any
 import torch
 
 
+def in_process_worker(llm: Any) -> Any:
+    """The engine's (only) worker, for an in-process engine (the suite sets
+    VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.model_executor.driver_worker.worker
+
+
 class FileTransfer:
     supports_draft_weight_update = True
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from _run_script import run_script
-from _weight_transfer import FileTransfer
+from _weight_transfer import FileTransfer, in_process_worker
 
 from kvscale_plugin.demo.probe import layer_scales, reload_weights, vllm_engine
 from kvscale_plugin.demo.tinymodels import (
@@ -61,6 +61,17 @@ MTP = {
 
 def _mtp_ckpt(tiny, family: str, name: str | None = None, **fields: Any):
     return tiny(name or f"mtp-{family}", family=family, num_layers=2, num_mtp_layers=1, **fields)
+
+
+def _second_ckpt(tiny, family: str):
+    """New scales for every target layer, (2, 3) and (4, 5), and MTP layer 0, (6, 7)."""
+    return _mtp_ckpt(
+        tiny,
+        family,
+        f"mtp-{family}-second",
+        scales={0: (2.0, 3.0), 1: (4.0, 5.0)},
+        mtp_scales={0: (6.0, 7.0)},
+    )
 
 
 def _generate(llm) -> list[int]:
@@ -178,13 +189,7 @@ def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings, famil
     started with, and kvscale says so once per engine -- not silently -- naming the
     reload's MTP tensors in each family's own naming."""
     first = _mtp_ckpt(tiny, family)
-    second = _mtp_ckpt(
-        tiny,
-        family,
-        f"mtp-{family}-second",
-        scales={0: (2.0, 3.0), 1: (4.0, 5.0)},
-        mtp_scales={0: (6.0, 7.0)},
-    )
+    second = _second_ckpt(tiny, family)
     start = read_stored_mtp_scales(first)[0]
     with vllm_engine(first, quantization="kvscale", **MTP) as llm:
         reload_weights(llm, second)
@@ -208,21 +213,15 @@ def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings, famil
 def test_draft_weight_sync_takes_the_new_mtp_scales(tiny, kvscale_warnings, family):
     """RL weight sync on the real worker (``_weight_transfer.FileTransfer`` in the NCCL
     engine's place): a session for the target, then one aimed at the draft
-    (``start_draft_weight_update``: the draft's own ``load_weights`` gets the tensors,
-    which MiMo's draft loader cannot route). The draft takes MTP layer 0's new scales;
-    a corrupt one fails the draft session naming the checkpoint tensor, the draft keeping
-    its scales."""
+    (``start_draft_weight_update``: the draft's own ``load_weights`` gets the tensors;
+    stock GLM-4-MoE's draft raises KeyError on their names). The draft takes MTP layer
+    0's new scales; a corrupt one fails the draft session naming the checkpoint tensor,
+    the draft keeping its scales."""
     first = _mtp_ckpt(tiny, family)
-    second = _mtp_ckpt(
-        tiny,
-        family,
-        f"mtp-{family}-second",
-        scales={0: (2.0, 3.0), 1: (4.0, 5.0)},
-        mtp_scales={0: (6.0, 7.0)},
-    )
+    second = _second_ckpt(tiny, family)
     bad = _mtp_ckpt(tiny, family, f"mtp-{family}-sync-bad", mtp_scales={0: (float("nan"), 2.0)})
     with vllm_engine(first, quantization="kvscale", **MTP) as llm:
-        worker = llm.llm_engine.model_executor.driver_worker.worker
+        worker = in_process_worker(llm)
         FileTransfer.attach(worker)
         for start in (worker.start_weight_update, worker.start_draft_weight_update):
             start()

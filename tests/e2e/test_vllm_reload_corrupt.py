@@ -22,7 +22,7 @@ import math
 
 import pytest
 import torch
-from _weight_transfer import FileTransfer
+from _weight_transfer import FileTransfer, in_process_worker
 
 from kvscale_plugin.demo.probe import layer_scales, reload_weights, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
@@ -47,11 +47,6 @@ def _generates(llm) -> bool:
     return len(out[0].outputs[0].token_ids) == 4
 
 
-def _worker(llm):
-    # In-process engine (the suite sets VLLM_ENABLE_V1_MULTIPROCESSING=0).
-    return llm.llm_engine.model_executor.driver_worker.worker
-
-
 def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
     good = tiny("reload-good", scales=GOOD)
     one_bad = tiny("reload-one-bad", scales={0: (2.5, 3.5), 1: (math.nan, 5.5)})
@@ -66,7 +61,7 @@ def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
     )
     with vllm_engine(good, quantization="kvscale") as llm:
         assert _held(llm) == GOOD
-        runner = _worker(llm).model_runner
+        runner = in_process_worker(llm).model_runner
         resets: list[str] = []
         reset_mm_cache = runner.reset_mm_cache
         runner.reset_mm_cache = lambda: (resets.append("mm"), reset_mm_cache())[1]
@@ -111,7 +106,7 @@ def test_weight_transfer_session_with_corrupt_scales_is_refused_and_ended(tiny):
     bad = tiny("transfer-bad", scales={0: (2.5, 3.5), 1: (math.inf, 5.5)})
     newer = tiny("transfer-newer", scales={0: (8.0, 9.0), 1: (10.0, 11.0)})
     with vllm_engine(good, quantization="kvscale") as llm:
-        worker = _worker(llm)
+        worker = in_process_worker(llm)
         FileTransfer.attach(worker)
         worker.start_weight_update()
         worker.update_weights(bad)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,48 +20,52 @@ from kvscale_plugin.hosts._common import shorten
 from kvscale_plugin.hosts.vllm.method import KVScaleConfig, KVScaleKVCacheMethod
 from kvscale_plugin.scales import CorruptScaleError, format_corrupt_scales
 
+_Layers = list[tuple[str, torch.nn.Module, KVScaleConfig]]
 
-def _kvscale_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, KVScaleConfig]]:
+
+def _kvscale_layers(model: torch.nn.Module) -> _Layers:
     """(engine name, layer, config) of every attention layer of ``model`` served by
-    kvscale's KV method."""
+    kvscale's KV method (collected once per reload step, read by the checks below)."""
+    found = []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, KVScaleKVCacheMethod):
-            yield getattr(module, "layer_name", name), module, method.quant_config
+            found.append((getattr(module, "layer_name", name), module, method.quant_config))
+    return found
 
 
-def _layers_reloaded_without_scales(model: torch.nn.Module) -> dict[str, KVScaleConfig]:
+def _layers_reloaded_without_scales(layers: _Layers) -> dict[str, KVScaleConfig]:
     """kvscale attention layers that the reload in progress gave no tensor at all
     (vLLM then puts their old tensors back and never calls the KV method)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     return {
         name: cfg
-        for name, layer, cfg in _kvscale_layers(model)
+        for name, layer, cfg in layers
         if cfg.kv_verdict.supported
         and is_quantized_kv_cache(layer.kv_cache_dtype)
         and get_layerwise_info(layer).load_numel <= 0
     }
 
 
-def _is_draft(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is an MTP draft kvscale serves (a draft weight-sync session)."""
-    return any(getattr(layer, "kvscale_draft", False) for _, layer, _ in _kvscale_layers(model))
+def _is_draft(layers: _Layers) -> bool:
+    """Whether these are an MTP draft's layers (a draft weight-sync session)."""
+    return any(getattr(layer, "kvscale_draft", False) for _, layer, _ in layers)
 
 
-def _kvscale_configs(model: torch.nn.Module) -> list[KVScaleConfig]:
-    """The kvscale configs (normally one) whose KV method serves a layer of ``model``."""
-    found = {id(cfg): cfg for _, _, cfg in _kvscale_layers(model)}
+def _kvscale_configs(layers: _Layers) -> list[KVScaleConfig]:
+    """The kvscale configs (normally one) whose KV method serves one of ``layers``."""
+    found = {id(cfg): cfg for _, _, cfg in layers}
     return list(found.values())
 
 
-def _corrupt_scales(model: torch.nn.Module) -> dict[str, str]:
-    """Corrupt scales recorded in this load cycle for layers of ``model`` whose FP8 cache
+def _corrupt_scales(layers: _Layers) -> dict[str, str]:
+    """Corrupt scales recorded in this load cycle for ``layers`` whose FP8 cache
     uses the checkpoint's scales -- also those of a layer whose every scale tensor was
     refused: it loaded nothing, so vLLM put its old tensors back and never called the
     KV method."""
     corrupt: dict[str, str] = {}
-    for _, layer, cfg in _kvscale_layers(model):
+    for _, layer, cfg in layers:
         verdict = cfg.kv_verdict
         if (verdict.supported or not verdict.declared) and is_quantized_kv_cache(
             layer.kv_cache_dtype
@@ -131,7 +135,7 @@ def _refusal(corrupt: dict[str, str]) -> CorruptScaleError:
 def _initialize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def initialize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        for cfg in _kvscale_configs(model):
+        for cfg in _kvscale_configs(_kvscale_layers(model)):
             cfg.corrupt_scales.clear()
             cfg.mtp_scales_seen.clear()
         return original(model, *args, **kwargs)
@@ -142,8 +146,9 @@ def _initialize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 def _finalize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def finalize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        silent = _layers_reloaded_without_scales(model)
-        configs = _kvscale_configs(model)
+        layers = _kvscale_layers(model)
+        silent = _layers_reloaded_without_scales(layers)
+        configs = _kvscale_configs(layers)
         for cfg in configs:
             cfg.reload_in_progress = True
         try:
@@ -151,12 +156,12 @@ def _finalize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             for cfg in configs:
                 cfg.reload_in_progress = False
-        if corrupt := _corrupt_scales(model):
+        if corrupt := _corrupt_scales(layers):
             if getattr(_deferred, "depth", 0):
                 _deferred.error = _refusal(corrupt)
                 return result
             raise _refusal(corrupt)
-        if not _is_draft(model):
+        if not _is_draft(layers):
             _warn_draft_not_reloaded(configs)
         if silent:
             cfg = next(iter(silent.values()))
