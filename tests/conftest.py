@@ -12,6 +12,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_ROOT, "vllm-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# kvscale's compiled CPU FP8 write is built from its C source in this run (as on a
+# fresh machine), never taken from the user's cache.
+os.environ.setdefault("KVSCALE_NATIVE_DIR", os.path.join(_ROOT, "native"))
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402

@@ -186,20 +186,25 @@ def warm(llm: Any) -> None:
 # Bytes through a real engine's layers --------------------------------------------
 
 
+# (dtype, head size, block size, KVSCALE_CPU_FP8_WRITE): the default (compiled) write
+# everywhere, the plain-torch one on a few.
 ENGINES = [
-    ("bfloat16", 64, 32),
-    ("float16", 64, 32),
-    ("float32", 64, 32),
-    ("bfloat16", 128, 64),
-    ("bfloat16", 32, 128),
-    ("bfloat16", 256, 32),
+    ("bfloat16", 64, 32, None),
+    ("float16", 64, 32, None),
+    ("float32", 64, 32, None),
+    ("bfloat16", 128, 64, None),
+    ("bfloat16", 32, 128, None),
+    ("bfloat16", 256, 32, None),
+    ("bfloat16", 64, 32, "rne-torch"),
+    ("float16", 128, 64, "rne-torch"),
 ]
+ROUTES = {None: "c:vec", "rne": "c:vec", "rne-torch": "torch:vec"}
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "block_size"), ENGINES)
-def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size):
+@pytest.mark.parametrize(("dtype", "head_dim", "block_size", "mode"), ENGINES)
+def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size, mode):
     with (
-        write_mode(None),
+        write_mode(mode),
         vllm_engine(
             checkpoint(head_dim), quantization="kvscale", dtype=dtype, block_size=block_size
         ) as llm,
@@ -210,7 +215,8 @@ def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size)
             cache = layer_cache(layer)
             num_blocks, num_heads, bs, two_hs = cache.shape
             assert (bs, two_hs // 2, layer.isa) == (block_size, head_dim, "vec"), name
-            assert route(layer) == {DTYPES[dtype]: "vec"}, name  # generate went through ours
+            # generate went through ours
+            assert route(layer) == {DTYPES[dtype]: ROUTES[mode]}, name
             g = torch.Generator().manual_seed(index)
             for case, n, specials, scales in (
                 ("random", 3 * block_size, False, None),
@@ -234,16 +240,17 @@ def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size)
                 finally:
                     layer._k_scale_float, layer._v_scale_float = saved
                 print(
-                    f"{dtype} hs={head_dim} bs={block_size} {name} {case}: "
+                    f"{ROUTES[mode]} {dtype} hs={head_dim} bs={block_size} {name} {case}: "
                     f"{cache.numel()} cache bytes equal the contract"
                 )
 
 
 def test_one_plan_per_forward_step(checkpoint):
-    """The byte offsets of a step's tokens are computed once per vLLM forward context
-    and shared by its layers; the next step computes them again even when vLLM has
-    refilled the same slot-mapping tensor in place (as its numpy-backed buffers do,
-    without bumping the tensor's version), and a step's plans go with its context."""
+    """The plain-torch write: the byte offsets of a step's tokens are computed once per
+    vLLM forward context and shared by its layers; the next step computes them again
+    even when vLLM has refilled the same slot-mapping tensor in place (as its
+    numpy-backed buffers do, without bumping the tensor's version), and a step's plans
+    go with its context."""
     import gc
 
     from vllm.forward_context import override_forward_context
@@ -251,9 +258,10 @@ def test_one_plan_per_forward_step(checkpoint):
     class Step:  # stands in for vLLM's ForwardContext (only its identity is used)
         pass
 
-    with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+    with write_mode("rne-torch"), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
         warm(llm)
         layers = list(attention_layers(llm).values())
+        assert all(route(layer) == {torch.bfloat16: "torch:vec"} for layer in layers)
         nb, nh, bs, two_hs = layer_cache(layers[0]).shape
         n = 6
         g = torch.Generator().manual_seed(7)
@@ -290,7 +298,8 @@ def test_one_plan_per_forward_step(checkpoint):
 # A real generate: chunked prefill, decode, prefix caching --------------------------
 
 
-def test_generate_stores_contract_bytes(checkpoint):
+@pytest.mark.parametrize("mode", [None, "rne-torch"])
+def test_generate_stores_contract_bytes(checkpoint, mode):
     from vllm import SamplingParams
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
@@ -322,7 +331,7 @@ def test_generate_stores_contract_bytes(checkpoint):
         return hook
 
     with (
-        write_mode(None),
+        write_mode(mode),
         vllm_engine(
             model,
             quantization="kvscale",
@@ -347,6 +356,7 @@ def test_generate_stores_contract_bytes(checkpoint):
             for h in handles:
                 h.remove()
         cached = sum(o.num_cached_tokens or 0 for o in rest)
+        assert all(route(layer) == {torch.bfloat16: ROUTES[mode]} for layer in layers.values())
         checked = 0
         for name, layer in layers.items():
             cache = layer_cache(layer)
@@ -366,7 +376,8 @@ def test_generate_stores_contract_bytes(checkpoint):
     )
     total_prompt = sum(len(p) for p in prompts)
     print(
-        f"steps (tokens per step, layer 0): {step_sizes}; prefix-cached tokens: {cached}; "
+        f"{ROUTES[mode]}: steps (tokens per step, layer 0): {step_sizes}; "
+        f"prefix-cached tokens: {cached}; "
         f"slots checked over all layers: {checked}"
     )
     assert cached >= 64  # the later prompts reused the shared prefix's blocks
@@ -432,6 +443,34 @@ def test_unproven_layout_falls_back_with_one_warning(checkpoint, kvscale_warning
             layer.impl.__dict__.pop("_kvscale_cpu_write_route", None)
         assert_vllm_write_kept(llm)
         assert len(kvscale_warnings("does not reproduce vLLM's 'vec' cache layout")) == 1
+
+
+def test_without_a_compiler_the_torch_write_serves(checkpoint, kvscale_warnings, monkeypatch):
+    """No C compiler (or Python headers) on the machine: one warning, and every layer
+    writes the same contract bytes with the plain-torch write."""
+    from kvscale_plugin.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    cpu_native._forget()
+    try:
+        with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+            warm(llm)
+            layers = attention_layers(llm)
+            assert all(route(layer) == {torch.bfloat16: "torch:vec"} for layer in layers.values())
+            for layer in layers.values():
+                cache = layer_cache(layer)
+                nb, nh, bs, two_hs = cache.shape
+                ks, vs = layer._k_scale_float, layer._v_scale_float
+                key, value = crafted_kv(2 * bs, nh, two_hs // 2, torch.bfloat16, ks, specials=True)
+                slots = torch.randperm(nb * bs)[: 2 * bs]
+                slots[::5] = -1
+                expected = expected_cache(cache, key, value, slots, ks, vs)
+                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+                assert_same_fp8(cache, expected)
+        (message,) = kvscale_warnings("compiled CPU FP8 cache write is not available")
+        assert "no C compiler found" in message
+    finally:
+        cpu_native._forget()
 
 
 def test_register_installs_the_wrapper_once():
@@ -513,4 +552,4 @@ def test_engine_core_process_uses_the_rne_write(checkpoint, tmp_path):
     routes = json.loads(lines[-1][len("RESULT ") :])
     per_worker = routes if isinstance(routes, list) else [routes]
     for worker in per_worker:
-        assert worker and all(r == {"torch.bfloat16": "vec"} for r in worker.values()), worker
+        assert worker and all(r == {"torch.bfloat16": "c:vec"} for r in worker.values()), worker

@@ -1,5 +1,7 @@
-"""kvscale's CPU FP8 cache write (``kernels/cpu_cache_write.py``): exact contract,
-vLLM's CPU cache layout, and what vLLM's own CPU op does instead.
+"""kvscale's CPU FP8 cache write: exact contract, vLLM's CPU cache layout, and what
+vLLM's own CPU op does instead. Both implementations: plain torch
+(``kernels/cpu_cache_write.py``) and compiled (``kernels/cpu_native.py``, built from its
+C source in this test run), through the ``write`` fixture.
 
 The contract is the torch expression ``(x.float() / s).clamp(-448, 448).to(float8_e4m3fn)``
 (s as fp32), scattered to the bytes vLLM's CPU attention reads. The layout ("vec") is
@@ -17,6 +19,7 @@ import pytest
 import torch
 from fp8_helpers import assert_same_fp8
 
+from kvscale_plugin.kernels import cpu_native
 from kvscale_plugin.kernels.cpu_cache_write import (
     cache_target,
     cpu_fp8_cache_read,
@@ -151,9 +154,27 @@ def test_specials_behave_as_promised():
 # The cache write -----------------------------------------------------------------
 
 
+def native_write(key, value, cache, slots, k_scale, v_scale):
+    module = cpu_native.load()
+    assert module is not None, cpu_native.failure()  # gcc is on every machine of this kind
+    cpu_native.write_native(
+        module, key, value, cpu_native.native_target(cache), slots, k_scale, v_scale
+    )
+
+
+WRITERS = {"torch": cpu_fp8_cache_write, "c": native_write}
+
+
+@pytest.fixture(params=sorted(WRITERS))
+def write(request):
+    """kvscale's CPU cache write ``(key, value, cache, slots, k_scale, v_scale)``, once
+    per implementation."""
+    return WRITERS[request.param]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("block_size", "head_size"), GEOMETRIES)
-def test_write_equals_contract_at_vllm_cpu_layout(dtype, block_size, head_size):
+def test_write_equals_contract_at_vllm_cpu_layout(write, dtype, block_size, head_size):
     num_blocks, num_heads, num_tokens = 5, 3, 2 * block_size + 7
     k_scale, v_scale = 0.37, 3.8627140522003174
     key, value = make_inputs(num_tokens, num_heads, head_size, dtype, k_scale)
@@ -162,28 +183,28 @@ def test_write_equals_contract_at_vllm_cpu_layout(dtype, block_size, head_size):
     slots[::6] = -1  # padding
     cache = random_cache(num_blocks, num_heads, block_size, head_size)
     expected = expected_cache(cache, key, value, slots, k_scale, v_scale)
-    cpu_fp8_cache_write(key, value, cache, slots, k_scale, v_scale)
+    write(key, value, cache, slots, k_scale, v_scale)
     assert_same_fp8(cache, expected)
 
 
-def test_write_only_first_rows_and_int32_slots_and_fp8_cache():
+def test_write_only_first_rows_and_int32_slots_and_fp8_cache(write):
     key, value = make_inputs(10, 2, 64, torch.bfloat16, 1.0)
     slots = torch.tensor([5, 40, -1, 63], dtype=torch.int32)
     cache = random_cache(2, 2, 32, 64)
     expected = expected_cache(cache, key[:4], value[:4], slots, 1.0, 2.0)
-    cpu_fp8_cache_write(key, value, cache.view(torch.float8_e4m3fn), slots, 1.0, 2.0)
+    write(key, value, cache.view(torch.float8_e4m3fn), slots, 1.0, 2.0)
     assert_same_fp8(cache, expected)
     k_bytes, v_bytes = cpu_fp8_cache_read(cache, slots[slots >= 0])
     assert_same_fp8(k_bytes, contract(key[:4][slots >= 0], 1.0))
     assert_same_fp8(v_bytes, contract(value[:4][slots >= 0], 2.0))
 
 
-def test_all_padding_and_empty_leave_the_cache_alone():
+def test_all_padding_and_empty_leave_the_cache_alone(write):
     key, value = make_inputs(3, 2, 64, torch.bfloat16, 1.0)
     cache = random_cache(2, 2, 32, 64)
     before = cache.clone()
-    cpu_fp8_cache_write(key, value, cache, torch.tensor([-1, -1, -1]), 1.0, 1.0)
-    cpu_fp8_cache_write(key[:0], value[:0], cache, torch.tensor([], dtype=torch.int64), 1.0, 1.0)
+    write(key, value, cache, torch.tensor([-1, -1, -1]), 1.0, 1.0)
+    write(key[:0], value[:0], cache, torch.tensor([], dtype=torch.int64), 1.0, 1.0)
     assert torch.equal(cache, before)
 
 
@@ -206,7 +227,7 @@ def test_one_plan_serves_every_layer_of_a_step():
         assert_same_fp8(cache, expected)
 
 
-def test_cache_that_is_a_view_into_a_larger_buffer():
+def test_cache_that_is_a_view_into_a_larger_buffer(write):
     """A layer's cache need not be contiguous storage of its own (here every block of
     two layers interleaved): only its bytes are written."""
     num_blocks, num_heads, block_size, head_size, n = 3, 2, 32, 32, 50
@@ -219,7 +240,7 @@ def test_cache_that_is_a_view_into_a_larger_buffer():
     key, value = make_inputs(n, num_heads, head_size, torch.bfloat16, 0.5)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
     expected = expected_cache(cache, key, value, slots, 0.5, 2.0)
-    cpu_fp8_cache_write(key, value, cache, slots, 0.5, 2.0)
+    write(key, value, cache, slots, 0.5, 2.0)
     assert_same_fp8(cache, expected)
     assert torch.equal(both[:, 0], other_before)
 
@@ -283,7 +304,7 @@ def vllm_write(key, value, cache, slots, k_scale, v_scale, isa="vec"):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("block_size", "head_size"), GEOMETRIES)
-def test_layout_is_vllms_vec_layout(dtype, block_size, head_size):
+def test_layout_is_vllms_vec_layout(write, dtype, block_size, head_size):
     """On values that every rounding stores alike, our cache equals vLLM's byte for byte."""
     num_blocks, num_heads, num_tokens = 4, 2, 3 * block_size
     g = torch.Generator().manual_seed(3)
@@ -296,7 +317,7 @@ def test_layout_is_vllms_vec_layout(dtype, block_size, head_size):
     theirs = random_cache(num_blocks, num_heads, block_size, head_size)
     ours = theirs.clone()
     vllm_write(key, value, theirs, slots, 0.5, 0.5)
-    cpu_fp8_cache_write(key, value, ours, slots, 0.5, 0.5)
+    write(key, value, ours, slots, 0.5, 0.5)
     assert torch.equal(ours, theirs)
 
 

@@ -9,9 +9,15 @@ cache, ``install()`` routes the CPU backend's cache-update step,
 ``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)`` at the bytes vLLM's CPU
 attention reads, with ``s`` the same Python-float scales that attention
 dequantizes with (``layer._k_scale_float`` / ``_v_scale_float``). The attention
-itself is vLLM's, unchanged. The byte offsets of a step's tokens (the kernel's
-"plan") are computed once per forward step and shared by all layers (``_step_plan``);
-each layer then costs six small torch ops.
+itself is vLLM's, unchanged.
+
+Two implementations store the same bytes. The default is one C call per layer
+(``kernels/cpu_native``: compiled on first use with the machine's C compiler, about
+half a second once, then cached on disk), which costs less than vLLM's own write. Where
+it cannot be built (no compiler or Python headers: one warning), the plain-torch write
+(``kernels/cpu_cache_write``) is used: the byte offsets of a step's tokens (its "plan")
+are computed once per forward step and shared by all layers (``_step_plan``), and each
+layer then costs six small torch ops.
 
 The CPU platform ignores ``--attention-backend``, so this is a wrapper of that one
 method, installed once per process by the plugin's ``register()``. It hands every
@@ -23,7 +29,11 @@ scratch cache before its first use; if the bytes disagree, vLLM's write is kept
 with one warning.
 
 ``KVSCALE_CPU_FP8_WRITE=vllm`` keeps vLLM's truncating write for every layer (for
-comparisons); ``rne`` (default) selects kvscale's. Read when a layer first writes.
+comparisons); ``rne`` (default) selects kvscale's, compiled where possible;
+``rne-torch`` kvscale's in plain torch. Read when a layer first writes.
+
+Routes (``model_write_routes``) name the implementation and the layout: ``"c:vec"``,
+``"torch:vec"``; None is vLLM's write.
 """
 
 from __future__ import annotations
@@ -41,9 +51,10 @@ from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.hosts.vllm.backend import is_kvscale_layer
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
-"""Environment variable: ``rne`` (default, kvscale's write) or ``vllm`` (vLLM's own)."""
+"""Environment variable: ``rne`` (default: kvscale's write, compiled where possible),
+``rne-torch`` (kvscale's write in plain torch) or ``vllm`` (vLLM's own)."""
 
-MODES = ("rne", "vllm")
+MODES = ("rne", "rne-torch", "vllm")
 
 _ORIGINAL_ATTR = "__kvscale_original__"
 _ROUTE_ATTR = "_kvscale_cpu_write_route"
@@ -59,6 +70,9 @@ _announced: list[bool] = []  # the INFO line is logged once per process
 _write: Callable[..., None]
 _target: Callable[..., Any]
 _plan: Callable[..., Any]
+_native_write: Callable[..., int]
+_native_target: Callable[..., Any]
+_native_module: Any = None
 _has_forward_context: Callable[[], bool]
 _get_forward_context: Callable[[], Any]
 
@@ -72,8 +86,8 @@ def write_mode() -> str:
     raw = os.environ.get(ENV_VAR, "").strip().lower()
     if raw in ("", "rne"):
         return "rne"
-    if raw == "vllm":
-        return "vllm"
+    if raw in MODES:
+        return raw
     warn_once(
         f"cpu-write-env-{raw}",
         "kvscale: %s=%r is not one of %s; using 'rne'.",
@@ -124,19 +138,35 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        layout = _route(self, layer, key, kv_cache)
-        if layout is None:
+        route = _route(self, layer, key, kv_cache)
+        if route is None:
             original(self, layer, key, value, kv_cache, slot_mapping)
             return
         target = self.__dict__.get(_TARGET_ATTR)
-        if target is None or target[0] is not kv_cache:
+        if target is None or target[0] is not kv_cache or target[1] != route:
             # Per layer, for as long as the engine hands over the same cache tensor.
             # Built as a normal (not inference-mode) view, which is writable both in
             # vLLM's inference-mode forward and outside it.
             with torch.inference_mode(False):
-                target = (kv_cache, _target(kv_cache, layout))
+                made = (
+                    _native_target(kv_cache)
+                    if route == "c:vec"
+                    else _target(kv_cache, route.split(":", 1)[1])
+                )
+            target = (kv_cache, route, made)
             setattr(self, _TARGET_ATTR, target)
-        flat, geometry = target[1]
+        if route == "c:vec":
+            _native_write(
+                _native_module,
+                key,
+                value,
+                target[2],
+                slot_mapping,
+                layer._k_scale_float,
+                layer._v_scale_float,
+            )
+            return
+        flat, geometry = target[2]
         _write(
             key,
             value,
@@ -194,7 +224,8 @@ def _forward_context() -> Any:
 def _route(
     impl: Any, layer: torch.nn.Module, key: torch.Tensor, kv_cache: torch.Tensor
 ) -> str | None:
-    """The cache layout to write with kvscale's write, or None for vLLM's.
+    """kvscale's write as ``"IMPLEMENTATION:LAYOUT"`` (``"c:vec"``, ``"torch:vec"``), or
+    None for vLLM's.
 
     Decided once per (impl, input dtype): the impl is one layer's, and nothing
     that decides changes between steps (scales are read at every call).
@@ -217,13 +248,15 @@ def _decide(
     from kvscale_plugin.kernels.cpu_cache_write import INPUT_DTYPES, LAYOUTS
 
     global _write, _target, _plan, _has_forward_context, _get_forward_context
+    global _native_write, _native_target, _native_module
     if not is_kvscale_layer(layer):
         return None
     if getattr(impl, "kv_cache_dtype", None) not in _FP8_E4M3_CACHE_DTYPES:
         return None  # bf16 / fp16 / e5m2 caches: vLLM's write
     if getattr(impl, "attn_type", None) in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
         return None  # no cache to update (vLLM's method returns at once)
-    if write_mode() == "vllm":
+    mode = write_mode()
+    if mode == "vllm":
         warn_once(
             "cpu-write-vllm",
             "kvscale: %s=vllm: FP8 KV cache written by vLLM's CPU op (rounds toward zero).",
@@ -252,31 +285,40 @@ def _decide(
             "/".join(LAYOUTS),
         )
         return None
-    if not layout_matches_vllm(isa, block_size, two_hs // 2, dtype):
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    from kvscale_plugin.kernels import cpu_native
+    from kvscale_plugin.kernels.cpu_cache_write import cache_target, plan_write, write_planned
+
+    implementation = "torch"
+    if mode == "rne":
+        module = cpu_native.load()  # one warning when it cannot be built
+        if module is not None:
+            _native_module, implementation = module, "c"
+            _native_write, _native_target = cpu_native.write_native, cpu_native.native_target
+    if not layout_matches_vllm(isa, block_size, two_hs // 2, dtype, implementation):
         warn_once(
             f"cpu-write-layout-{isa}-{block_size}-{two_hs // 2}",
-            "kvscale: kvscale's FP8 cache write does not reproduce vLLM's %r cache layout "
-            "(block size %d, head size %d) on this build; vLLM's own write (round toward "
-            "zero) is used.",
+            "kvscale: kvscale's FP8 cache write (%s) does not reproduce vLLM's %r cache "
+            "layout (block size %d, head size %d) on this build; vLLM's own write (round "
+            "toward zero) is used.",
+            implementation,
             isa,
             block_size,
             two_hs // 2,
         )
         return None
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    from kvscale_plugin.kernels.cpu_cache_write import cache_target, plan_write, write_planned
-
     _write, _target, _plan = write_planned, cache_target, plan_write
     _has_forward_context, _get_forward_context = is_forward_context_available, get_forward_context
     if not _announced:
         _announced.append(True)
         logger.info(
             "kvscale: FP8 KV cache of kvscale layers written with round-to-nearest-even "
-            "on the CPU (%s=vllm restores vLLM's truncating write).",
+            "on the CPU (%s; %s=vllm restores vLLM's truncating write).",
+            "compiled" if implementation == "c" else "plain torch",
             ENV_VAR,
         )
-    return isa
+    return f"{implementation}:{isa}"
 
 
 def vllm_cpu_write(
@@ -308,8 +350,11 @@ def vllm_cpu_write(
 
 
 @functools.cache
-def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> bool:
-    """Whether kvscale's write puts every byte where vLLM's op puts it, for this layout.
+def layout_matches_vllm(
+    isa: str, block_size: int, head_size: int, dtype: torch.dtype, implementation: str = "torch"
+) -> bool:
+    """Whether kvscale's write (``implementation``: ``"c"`` or ``"torch"``) puts every
+    byte where vLLM's op puts it, for this layout.
 
     Both write the same exactly representable values (where rounding cannot
     differ), with padding slots, into scratch caches; the caches must be equal.
@@ -331,7 +376,17 @@ def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.
     ours = theirs.clone()
     try:
         vllm_cpu_write(key, value, theirs, slots, isa, 1.0, 1.0)
-        cpu_fp8_cache_write(key, value, ours, slots, 1.0, 1.0, isa)
+        if implementation == "c":
+            from kvscale_plugin.kernels import cpu_native
+
+            module = cpu_native.load()
+            if module is None:
+                return False
+            cpu_native.write_native(
+                module, key, value, cpu_native.native_target(ours), slots, 1.0, 1.0
+            )
+        else:
+            cpu_fp8_cache_write(key, value, ours, slots, 1.0, 1.0, isa)
     except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
         logger.debug("kvscale: layout check for %s failed: %s", isa, exc)
         return False
@@ -341,7 +396,8 @@ def layout_matches_vllm(isa: str, block_size: int, head_size: int, dtype: torch.
 def model_write_routes(model: torch.nn.Module) -> dict[str, dict[str, str | None]]:
     """``llm.apply_model`` target (importable, so it works across processes): per
     attention layer, the cache write each input dtype was routed to so far
-    (a layout name: kvscale's write; None: vLLM's)."""
+    (``"c:vec"`` / ``"torch:vec"``: kvscale's write, compiled / plain torch; None:
+    vLLM's)."""
     return {
         name: {str(dtype): layout for dtype, layout in routes.items()}
         for name, m in model.named_modules()

@@ -1,0 +1,249 @@
+"""The compiled FP8 cache write for vLLM's CPU layout (``cpu_fp8_write.c``).
+
+The plain-torch write (``cpu_cache_write``) needs six torch ops per layer and a plan
+per step; at decode sizes their per-op overhead is its whole cost. The same contract
+written as one C loop costs one call: ``native_cache_write`` quantizes K and V
+(``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)``, bit for bit) straight
+into the cache bytes, slots < 0 skipped, with no temporary tensors.
+
+The C file ships with the package and is compiled on first use with the machine's C
+compiler (``$CC``, else Python's own, ``cc``, ``gcc`` or ``clang``) into
+``$KVSCALE_NATIVE_DIR`` or ``$XDG_CACHE_HOME/kvscale-plugin/native`` (``~/.cache``),
+keyed by the source, the compiler command and the Python ABI; later processes load
+the built file (a fraction of a millisecond). It is a plain CPython extension: no
+torch headers, so the build takes well under a second. Triton does the same for its
+GPU launchers. Without a working compiler (or Python headers) ``load()`` returns None
+and says why once; the host then uses the plain-torch write, which stores the same
+bytes.
+
+No host import: pure torch + the standard library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+from kvscale_plugin._log import logger, warn_once
+
+SOURCE = Path(__file__).with_name("cpu_fp8_write.c")
+MODULE_NAME = "_kvscale_cpu_fp8"
+DIR_ENV = "KVSCALE_NATIVE_DIR"
+"""Environment variable: where the compiled write is kept (default: the user cache)."""
+
+# IEEE arithmetic is part of the contract: never -ffast-math / -Ofast here.
+# -fno-trapping-math only lets the compiler turn the NaN-keeping clamp into selects
+# (vectorized); results are unchanged. The build is for this machine's CPU
+# (-march=native, measured 3x faster than the x86-64 baseline): the CPU's identity is
+# part of the cache key, and a compiler that refuses the flag builds without it.
+CFLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math", "-fno-trapping-math", "-std=c99")
+NATIVE_FLAGS = ("-march=native",)
+
+_lock = threading.Lock()
+_loaded: list[ModuleType | None] = []  # [module] or [None] once decided in this process
+_failure: list[str] = []
+
+
+def _compiler() -> list[str] | None:
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        if not candidate:
+            continue
+        argv = shlex.split(candidate)
+        if argv and shutil.which(argv[0]):
+            return argv
+    return None
+
+
+def build_dir() -> Path:
+    explicit = os.environ.get(DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvscale-plugin" / "native"
+
+
+def _build(compiler: list[str], target: Path) -> None:
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        raise RuntimeError(f"Python headers not found ({include}/Python.h)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes starting together (vLLM's TP
+    # workers) never load a half-written file.
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    try:
+        errors = []
+        for extra in (NATIVE_FLAGS, ()):
+            cmd = [*compiler, *CFLAGS, *extra, f"-I{include}", str(SOURCE), "-o", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode == 0:
+                os.replace(tmp, target)
+                return
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            errors.append(f"`{shlex.join(cmd)}` failed: " + " | ".join(tail))
+        raise RuntimeError("; ".join(errors))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and feature flags (Linux), else
+    the platform's own description."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f.read(1 << 16).splitlines() if ":" in ln]
+        keep = ("model name", "flags", "Features", "CPU part", "CPU implementer")
+        return "\n".join(ln for ln in lines if ln.split(":")[0].strip() in keep)
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def _target_path(compiler: list[str]) -> Path:
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(
+        repr((compiler, CFLAGS, NATIVE_FLAGS, sys.version, sysconfig.get_platform())).encode()
+    )
+    digest.update(_cpu_identity().encode())
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return build_dir() / digest.hexdigest()[:16] / f"{MODULE_NAME}{suffix}"
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load() -> ModuleType | None:
+    """The compiled module (built on first use), or None when it cannot be built here
+    (the reason is logged once and kept in ``failure()``). Decided once per process."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if _loaded:
+            return _loaded[0]
+        module = None
+        try:
+            compiler = _compiler()
+            if compiler is None:
+                raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+            path = _target_path(compiler)
+            if not path.is_file():
+                logger.info("kvscale: compiling the CPU FP8 cache write into %s", path.parent)
+                _build(compiler, path)
+            module = _import(path)
+            module.setup(torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+        except Exception as exc:  # noqa: BLE001 - any failure: the torch write instead
+            _failure.append(f"{type(exc).__name__}: {exc}")
+            warn_once(
+                "cpu-native-build",
+                "kvscale: the compiled CPU FP8 cache write is not available (%s); the "
+                "plain-torch write is used (same bytes, slower at decode sizes).",
+                _failure[-1],
+            )
+        _loaded.append(module)
+        return module
+
+
+def failure() -> str | None:
+    """Why ``load()`` returned None in this process (None if it did not)."""
+    return _failure[-1] if _failure else None
+
+
+def _forget() -> None:
+    """Decide again at the next ``load()`` (tests)."""
+    with _lock:
+        _loaded.clear()
+        _failure.clear()
+
+
+class NativeTarget(NamedTuple):
+    """One layer's CPU cache as the compiled write addresses it (``native_target``)."""
+
+    cache: torch.Tensor
+    """The cache tensor itself: holding it keeps ``spec``'s pointer valid."""
+    spec: tuple[int, int, int, int, int, int, int]
+    """``(data pointer, block stride, head stride, num_blocks, block_size,
+    num_kv_heads, head_size)``, strides in bytes: what the C write is given."""
+
+
+def native_target(kv_cache: torch.Tensor) -> NativeTarget:
+    """Checks one layer's cache (as ``cpu_cache_write.cpu_cache_views``: 4-d, 1-byte,
+    each (block, head) contiguous, on the CPU) for the compiled write."""
+    from kvscale_plugin.kernels.cpu_cache_write import cpu_cache_views
+
+    cpu_cache_views(kv_cache)
+    if kv_cache.device.type != "cpu":
+        raise ValueError(f"the compiled FP8 write needs a CPU cache, got {kv_cache.device}")
+    raw = kv_cache.view(torch.uint8)
+    num_blocks, num_heads, block_size, two_hs = raw.shape
+    spec = (
+        raw.data_ptr(),
+        raw.stride(0),
+        raw.stride(1),
+        num_blocks,
+        block_size,
+        num_heads,
+        two_hs // 2,
+    )
+    return NativeTarget(kv_cache, spec)
+
+
+def write_native(
+    module: ModuleType,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    target: NativeTarget,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+) -> int:
+    """The hot path: one C call for K and V of ``len(slot_mapping)`` tokens.
+
+    ``key`` / ``value``: ``[>= num_tokens, num_kv_heads, head_size]`` CPU tensors of
+    one dtype among bf16 / fp16 / fp32, last dimension contiguous (slices of a fused
+    qkv tensor are fine); ``slot_mapping``: contiguous 1-d int32 / int64. Returns how
+    many tokens were written (slots >= 0). The C side checks shapes, strides and
+    dtypes before it reads any pointer (``ValueError``) and every slot against the
+    cache's size before it writes (``IndexError``).
+    """
+    if not (key.is_cpu and value.is_cpu and slot_mapping.is_cpu):
+        raise ValueError("the compiled FP8 write needs CPU tensors")
+    return module.write(
+        key.data_ptr(),
+        key.shape,
+        key.stride(),
+        key.dtype,
+        value.data_ptr(),
+        value.shape,
+        value.stride(),
+        value.dtype,
+        target.spec,
+        slot_mapping.data_ptr(),
+        slot_mapping.shape,
+        slot_mapping.stride(),
+        slot_mapping.dtype,
+        float(k_scale),
+        float(v_scale),
+    )
