@@ -8,13 +8,16 @@ side with vLLM's own write, in one run.
 1. The write alone: one layer's ``do_kv_cache_update`` work for N tokens (bf16 K/V as
    column slices of a fused qkv tensor, the model's KV heads and head size, the engine's
    block size, random slots): vLLM's ``cpu_attn_reshape_and_cache`` vs kvscale's
-   ``cpu_fp8_cache_write``; median microseconds per call, per token, and per decode
-   step of the whole model (x number of layers), plus the share of bytes that differ
-   from the torch contract ``(x.float() / s).clamp(-448, 448).to(float8_e4m3fn)``.
+   compiled write (``cpu_native``, the default) and its plain-torch write
+   (``write_planned`` + a ``plan_write`` per step); median microseconds per call, per
+   token, and per decode step of the whole model (x number of layers), plus the share
+   of bytes that differ from the torch contract
+   ``(x.float() / s).clamp(-448, 448).to(float8_e4m3fn)``.
 2. Engines, alternated round by round on the same checkpoint (FP8 cache, prefix caching
    off so every prefill is computed): stock vLLM vs ``--quantization kvscale``. Inside
    each kvscale engine the write is also switched back and forth between kvscale's and
    vLLM's (``KVSCALE_CPU_FP8_WRITE``), which isolates the write from everything else.
+   ``--torch-write`` adds kvscale's plain-torch write to that rotation.
    Prefill tokens/s: P prompts of L random tokens, one output token. Decode tokens/s:
    B sequences, (T - 1) generated tokens each, the prefill of the same prompts timed
    separately and subtracted.
@@ -69,21 +72,27 @@ def write_alone(
     reps: int,
 ) -> dict[int, float]:
     """Prints the table; returns tokens -> extra microseconds per model step
-    (layers x (kvscale's write - vLLM's op) + kvscale's plan, computed once per step)."""
+    (layers x (kvscale's compiled write - vLLM's op); negative: faster)."""
     from vllm import _custom_ops as ops
 
+    from kvscale_plugin.kernels import cpu_native
     from kvscale_plugin.kernels.cpu_cache_write import cache_target, plan_write, write_planned
+
+    native = cpu_native.load()
+    if native is None:
+        print(f"# compiled write unavailable: {cpu_native.failure()}")
 
     g = torch.Generator().manual_seed(0)
     num_blocks = max(sizes) // block_size + 64
     cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_size, dtype=torch.uint8)
     key_cache, value_cache = cache.view(num_blocks, num_heads, 2 * block_size, -1).chunk(2, 2)
     target = cache_target(cache)
+    native_target = cpu_native.native_target(cache)
     k_scale, v_scale = 0.0351, 0.0127  # SmolLM2-like calibrated scales
     print(
         f"\n## 1. the write alone: {num_heads} KV heads x head size {head_size}, block "
-        f"{block_size}, bf16 in; per decode step = x {num_layers} layers (+ kvscale's plan, "
-        f"once per step); torch threads {torch.get_num_threads()}"
+        f"{block_size}, bf16 in; per decode step = x {num_layers} layers (+ the torch "
+        f"write's plan, once per step); torch threads {torch.get_num_threads()}"
     )
     head = (
         f"{'tokens':>6} {'write':<20} {'us/call':>9} {'ns/token':>9} {'us/step':>9} "
@@ -116,30 +125,44 @@ def write_alone(
         def ours(key=key, value=value, plan=plan) -> None:
             write_planned(key, value, target.flat, plan, k_scale, v_scale)
 
+        def compiled(key=key, value=value, slots=slots) -> None:
+            cpu_native.write_native(native, key, value, native_target, slots, k_scale, v_scale)
+
         def planning(slots=slots) -> None:
             plan_write(slots, target.geometry)
 
         r = reps if n <= 64 else max(20, reps // 10)
-        # min of 3 medians each; vLLM's op and kvscale's write alternate 3 times
+        # min of 3 medians each; vLLM's op and kvscale's writes alternate 3 times
+        fns = {"vLLM": theirs, "torch": ours, "plan": planning}
+        if native is not None:
+            fns["C"] = compiled
         best: dict[str, float] = {}
         for _ in range(3):
-            for name, fn in (("vLLM", theirs), ("kvscale", ours), ("plan", planning)):
+            for name, fn in fns.items():
                 t = median_us(fn, r)
                 best[name] = min(best.get(name, t), t)
         plan_us = best["plan"]
-        for name, fn in (("vLLM (truncate)", theirs), ("kvscale (RNE)", ours)):
+        rows = [("vLLM (truncate)", "vLLM"), ("kvscale C (RNE)", "C")]
+        rows.append(("kvscale torch (RNE)", "torch"))
+        for name, key_ in rows:
+            if key_ not in fns:
+                continue
+            fn = fns[key_]
             cache.zero_()
             fn()
             wrong = _bytes_off_contract(cache, key, value, slots, k_scale, v_scale)
-            us = best[name.split()[0]]
-            step = us * num_layers + (plan_us if fn is ours else 0.0)
+            us = best[key_]
+            step = us * num_layers + (plan_us if key_ == "torch" else 0.0)
             print(
                 f"{n:6d} {name:<20} {us:9.1f} {1e3 * us / n:9.0f} "
                 f"{step if n <= 64 else float('nan'):9.0f} "
                 f"{us / best['vLLM']:7.2f} {100 * wrong:17.2f}%"
             )
-        print(f"{n:6d} {'kvscale plan (1/step)':<20} {plan_us:9.1f} {1e3 * plan_us / n:9.0f}")
-        extra[n] = (best["kvscale"] - best["vLLM"]) * num_layers + plan_us
+        print(f"{n:6d} {'torch plan (1/step)':<20} {plan_us:9.1f} {1e3 * plan_us / n:9.0f}")
+        if native is not None:
+            extra[n] = (best["C"] - best["vLLM"]) * num_layers
+        else:
+            extra[n] = (best["torch"] - best["vLLM"]) * num_layers + plan_us
     return extra
 
 
@@ -240,6 +263,11 @@ def engines(
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = torch.Generator().manual_seed(1)
     samples: dict[str, list[dict]] = {"stock": [], "kvscale": [], "kvscale, vLLM write": []}
+    modes = ["rne", "vllm"]
+    labels = {"rne": "kvscale", "vllm": "kvscale, vLLM write", "rne-torch": "kvscale, torch write"}
+    if cfg.torch_write:
+        modes.append("rne-torch")
+        samples["kvscale, torch write"] = []
     call_samples: list[dict[str, float]] = []
     kw = dict(
         kv_cache_memory_bytes=KV_CACHE_BYTES,
@@ -269,11 +297,9 @@ def engines(
                         _record(samples, "stock", measure(llm, rng, vocab, cfg))
                     continue
                 for rep in range(cfg.reps):
-                    modes = ["rne", "vllm"] if rep % 2 == 0 else ["vllm", "rne"]
-                    for mode in modes:
+                    for mode in modes if rep % 2 == 0 else modes[::-1]:
                         _set_write(llm, mode)
-                        label = "kvscale" if mode == "rne" else "kvscale, vLLM write"
-                        _record(samples, label, measure(llm, rng, vocab, cfg))
+                        _record(samples, labels[mode], measure(llm, rng, vocab, cfg))
                 _set_write(llm, "rne")
                 calls = call_times(llm, rng, vocab, cfg)
                 call_samples.append(calls)
@@ -308,6 +334,21 @@ def engines(
         f"{'kvscale / vLLM write':<22}"
         + "".join(f"{med['kvscale'][m] / med['kvscale, vLLM write'][m]:14.3f}" for m in metrics)
     )
+    # Per round: kvscale's median over stock's median of the same round (drift between
+    # rounds cancels); then the median and the worst of those ratios.
+    per_round = {m: [] for m in metrics}
+    for rnd in range(cfg.rounds):
+        k_runs = samples["kvscale"][rnd * cfg.reps : (rnd + 1) * cfg.reps]
+        s_runs = samples["stock"][rnd * cfg.reps : (rnd + 1) * cfg.reps]
+        for m in metrics:
+            per_round[m].append(
+                statistics.median(r[m] for r in k_runs) / statistics.median(r[m] for r in s_runs)
+            )
+    print(
+        f"{'per-round ratio, med':<22}"
+        + "".join(f"{statistics.median(per_round[m]):14.3f}" for m in metrics)
+    )
+    print(f"{'per-round ratio, min':<22}" + "".join(f"{min(per_round[m]):14.3f}" for m in metrics))
     if call_samples:
         print(
             "\nin-engine write per layer call (median over rounds of each round's median "
@@ -318,8 +359,8 @@ def engines(
             theirs = statistics.median(c[f"vllm b={batch}"] for c in call_samples)
             print(
                 f"  decode b={batch}: kvscale's write {ours:.1f}, vLLM's write {theirs:.1f} "
-                f"(+{ours - theirs:.1f} us x {num_layers} layers = "
-                f"+{(ours - theirs) * num_layers / 1e3:.2f} ms per step)"
+                f"({ours - theirs:+.1f} us x {num_layers} layers = "
+                f"{(ours - theirs) * num_layers / 1e3:+.2f} ms per step)"
             )
     worst = min(med["kvscale"][m] / med["stock"][m] for m in metrics)
     print(f"\nworst kvscale / stock ratio: {worst:.3f} (goal >= 0.95)")
@@ -337,8 +378,8 @@ def engines(
         added_ms = extra_us[1] / 1e3
         print(
             f"estimated decode b=1 ratio from the write's cost: fastest stock step "
-            f"{step_ms:.1f} ms, + {added_ms:.2f} ms ({num_layers} layers' writes + one "
-            f"plan, part 1) -> {step_ms / (step_ms + added_ms):.3f}"
+            f"{step_ms:.1f} ms, {added_ms:+.3f} ms ({num_layers} layers' writes, part 1) -> "
+            f"{step_ms / (step_ms + added_ms):.3f}"
         )
 
 
@@ -368,6 +409,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "for the write-alone part)",
     )
     p.add_argument("--write-reps", type=int, default=300)
+    p.add_argument(
+        "--torch-write",
+        action="store_true",
+        help="also time kvscale's plain-torch write inside the kvscale engines",
+    )
     p.add_argument("--skip-engines", action="store_true")
     p.add_argument("--work-dir", type=Path, default=None)
     cfg = p.parse_args(argv)

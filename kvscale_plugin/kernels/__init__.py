@@ -7,7 +7,8 @@ are available); nothing in the package root imports it, so hosts without Triton
 
 One op per module: ``triton_fp8_write`` (the fused Triton kernel and its launcher,
 ``fp8_cache_write``), ``reference`` (the plain-torch oracle), ``cpu_cache_write`` (the
-exact FP8 write into vLLM's CPU cache layout).
+exact FP8 write into vLLM's CPU cache layout, plain torch) and ``cpu_native`` (the same
+write compiled from ``cpu_fp8_write.c`` on first use; the default on vLLM's CPU build).
 """
 
 try:

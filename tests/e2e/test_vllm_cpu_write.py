@@ -445,6 +445,33 @@ def test_unproven_layout_falls_back_with_one_warning(checkpoint, kvscale_warning
         assert len(kvscale_warnings("does not reproduce vLLM's 'vec' cache layout")) == 1
 
 
+@pytest.mark.parametrize("mode", [None, "rne-torch"])
+def test_cache_storage_swapped_in_place_is_followed(checkpoint, mode):
+    """The compiled write holds a raw pointer per layer: when the same cache tensor object
+    gets other storage (``set_``), the next write goes to the new storage, and the old
+    one is never written again."""
+    with write_mode(mode), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+        warm(llm)
+        name, layer = next(iter(attention_layers(llm).items()))
+        cache = layer_cache(layer)
+        nb, nh, bs, two_hs = cache.shape
+        ks, vs = layer._k_scale_float, layer._v_scale_float
+        key, value = crafted_kv(bs, nh, two_hs // 2, torch.bfloat16, ks, specials=True)
+        slots = torch.randperm(nb * bs)[:bs]
+        layer.impl.do_kv_cache_update(layer, key, value, cache, slots)  # target made
+        inference = cache.is_inference()
+        with torch.inference_mode(inference):
+            old_view = cache[:]  # still the old storage after the swap
+            old_bytes = old_view.clone()
+            replacement = torch.zeros_like(cache)
+            cache.set_(replacement.untyped_storage(), 0, cache.shape, cache.stride())
+        assert cache.data_ptr() == replacement.data_ptr() != old_view.data_ptr()
+        expected = expected_cache(cache, key, value, slots, ks, vs)
+        layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+        assert_same_fp8(cache, expected)
+        assert torch.equal(old_view, old_bytes), name  # the old storage was not written
+
+
 def test_without_a_compiler_the_torch_write_serves(checkpoint, kvscale_warnings, monkeypatch):
     """No C compiler (or Python headers) on the machine: one warning, and every layer
     writes the same contract bytes with the plain-torch write."""

@@ -143,30 +143,37 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
             original(self, layer, key, value, kv_cache, slot_mapping)
             return
         target = self.__dict__.get(_TARGET_ATTR)
-        if target is None or target[0] is not kv_cache or target[1] != route:
-            # Per layer, for as long as the engine hands over the same cache tensor.
-            # Built as a normal (not inference-mode) view, which is writable both in
-            # vLLM's inference-mode forward and outside it.
+        if (
+            target is None
+            or target[0] is not kv_cache
+            or target[1] != route
+            or target[2] != kv_cache.data_ptr()
+        ):
+            # Per layer, for as long as the engine hands over the same cache tensor with
+            # the same storage (the compiled write keeps a raw pointer: a cache whose
+            # storage was swapped must never be written through the old one). Built as
+            # a normal (not inference-mode) view, which is writable both in vLLM's
+            # inference-mode forward and outside it.
             with torch.inference_mode(False):
                 made = (
                     _native_target(kv_cache)
                     if route == "c:vec"
                     else _target(kv_cache, route.split(":", 1)[1])
                 )
-            target = (kv_cache, route, made)
+            target = (kv_cache, route, kv_cache.data_ptr(), made)
             setattr(self, _TARGET_ATTR, target)
         if route == "c:vec":
             _native_write(
                 _native_module,
                 key,
                 value,
-                target[2],
+                target[3],
                 slot_mapping,
                 layer._k_scale_float,
                 layer._v_scale_float,
             )
             return
-        flat, geometry = target[2]
+        flat, geometry = target[3]
         _write(
             key,
             value,
