@@ -221,8 +221,9 @@ def call_times(
     llm: Any, rng: torch.Generator, vocab: int, cfg: argparse.Namespace
 ) -> dict[str, float]:
     """Inside a kvscale engine: median microseconds of one layer's
-    ``do_kv_cache_update`` during decode, kvscale's write vs vLLM's (the same timer
-    around both; what part 1 measures warm, here with the engine's caches cold)."""
+    ``do_kv_cache_update`` during decode and (per token) during prefill, kvscale's
+    write vs vLLM's (the same timer around both; what part 1 measures warm, here with
+    the engine's caches cold)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     installed = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
@@ -244,6 +245,10 @@ def call_times(
                 _timed_generate(llm, prompts, cfg.decode_tokens)
                 times = [t for n, t in calls if n == batch]
                 out[f"{mode} b={batch}"] = 1e6 * statistics.median(times)
+            calls.clear()
+            _timed_generate(llm, _prompts(rng, cfg.prefill_prompts, cfg.prefill_len, vocab), 1)
+            big = [t / n for n, t in calls if n >= 64]
+            out[f"{mode} prefill/token"] = 1e6 * statistics.median(big) if big else float("nan")
     finally:
         CPUAttentionBackendImpl.do_kv_cache_update = installed
         _set_write(llm, "rne")
@@ -362,6 +367,15 @@ def engines(
                 f"({ours - theirs:+.1f} us x {num_layers} layers = "
                 f"{(ours - theirs) * num_layers / 1e3:+.2f} ms per step)"
             )
+        ours = statistics.median(c["rne prefill/token"] for c in call_samples)
+        theirs = statistics.median(c["vllm prefill/token"] for c in call_samples)
+        print(
+            f"  prefill, per token: kvscale's write {ours:.3f}, vLLM's write {theirs:.3f} "
+            f"({ours - theirs:+.3f} us x {num_layers} layers x "
+            f"{cfg.prefill_prompts * cfg.prefill_len} tokens = "
+            f"{(ours - theirs) * num_layers * cfg.prefill_prompts * cfg.prefill_len / 1e3:+.1f}"
+            " ms per prefill)"
+        )
     worst = min(med["kvscale"][m] / med["stock"][m] for m in metrics)
     print(f"\nworst kvscale / stock ratio: {worst:.3f} (goal >= 0.95)")
     spread = {

@@ -69,11 +69,23 @@ def _compiler() -> list[str] | None:
 
 
 def build_dir() -> Path:
+    """``$KVSCALE_NATIVE_DIR``, else ``$XDG_CACHE_HOME/kvscale-plugin/native``
+    (``~/.cache/...``)."""
     explicit = os.environ.get(DIR_ENV)
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvscale-plugin" / "native"
+
+
+def _build_dirs() -> list[Path]:
+    """Where to look and build, in order: ``build_dir()``, then (unless
+    ``$KVSCALE_NATIVE_DIR`` is set) a per-user folder in the temp dir, for a home that
+    cannot be written."""
+    if os.environ.get(DIR_ENV):
+        return [build_dir()]
+    user = getattr(os, "getuid", lambda: "user")()
+    return [build_dir(), Path(tempfile.gettempdir()) / f"kvscale-plugin-native-{user}"]
 
 
 def _build(compiler: list[str], target: Path) -> None:
@@ -115,7 +127,7 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _target_path(compiler: list[str]) -> Path:
+def _target_path(compiler: list[str], base: Path | None = None) -> Path:
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(
@@ -123,7 +135,7 @@ def _target_path(compiler: list[str]) -> Path:
     )
     digest.update(_cpu_identity().encode())
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    return build_dir() / digest.hexdigest()[:16] / f"{MODULE_NAME}{suffix}"
+    return (base or build_dir()) / digest.hexdigest()[:16] / f"{MODULE_NAME}{suffix}"
 
 
 def _import(path: Path) -> ModuleType:
@@ -148,10 +160,20 @@ def load() -> ModuleType | None:
             compiler = _compiler()
             if compiler is None:
                 raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-            path = _target_path(compiler)
-            if not path.is_file():
-                logger.info("kvscale: compiling the CPU FP8 cache write into %s", path.parent)
-                _build(compiler, path)
+            unwritable = []
+            for base in _build_dirs():
+                path = _target_path(compiler, base)
+                try:
+                    if not path.is_file():
+                        logger.info(
+                            "kvscale: compiling the CPU FP8 cache write into %s", path.parent
+                        )
+                        _build(compiler, path)
+                    break
+                except OSError as exc:  # a folder that cannot be written: the next one
+                    unwritable.append(f"{base}: {exc}")
+            else:
+                raise RuntimeError("no folder to build in: " + "; ".join(unwritable))
             module = _import(path)
             module.setup(torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
         except Exception as exc:  # noqa: BLE001 - any failure: the torch write instead

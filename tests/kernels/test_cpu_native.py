@@ -169,6 +169,17 @@ def test_built_once_then_loaded_from_disk(module, rebuild):
     assert again is not None and Path(again.__file__) == path
 
 
+def test_an_unwritable_cache_folder_falls_back_to_the_temp_dir(rebuild, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    rebuild.delenv(cpu_native.DIR_ENV)
+    rebuild.setenv("XDG_CACHE_HOME", str(not_a_dir))  # mkdir under it fails (even as root)
+    rebuild.setattr(cpu_native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    found = cpu_native.load()
+    assert found is not None, cpu_native.failure()
+    assert Path(found.__file__).is_relative_to(tmp_path / "tmp")
+
+
 def test_without_a_compiler_returns_none_with_one_warning(rebuild, kvscale_warnings):
     rebuild.setattr(cpu_native, "_compiler", lambda: None)
     assert cpu_native.load() is None
