@@ -231,7 +231,8 @@ static PyObject *write_kv(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t written = 0;
     for (Py_ssize_t t = 0; t < num_tokens; t++) {
         int64_t s = SLOT(t);
-        if (s < 0) continue;
+        /* checked above; checked again in case another thread changed the slots since */
+        if (s < 0 || s >= limit) continue;
         written++;
         Py_ssize_t block = (Py_ssize_t)(s / block_size), off = (Py_ssize_t)(s % block_size);
         char *base = cache + block * sb;

@@ -21,6 +21,7 @@ No host import: pure torch + the standard library.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -50,8 +51,18 @@ DIR_ENV = "KVSCALE_NATIVE_DIR"
 # (vectorized); results are unchanged. The build is for this machine's CPU
 # (-march=native, measured 3x faster than the x86-64 baseline): the CPU's identity is
 # part of the cache key, and a compiler that refuses the flag builds without it.
-CFLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math", "-fno-trapping-math", "-std=c99")
+CFLAGS = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-fno-fast-math",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+    "-std=c99",
+)
 NATIVE_FLAGS = ("-march=native",)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
 _loaded: list[ModuleType | None] = []  # [module] or [None] once decided in this process
@@ -92,7 +103,8 @@ def _build(compiler: list[str], target: Path) -> None:
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
         raise RuntimeError(f"Python headers not found ({include}/Python.h)")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    # Private folders (0700): a shared temp dir must not let anyone else plant the file.
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Build beside the target, then rename: processes starting together (vLLM's TP
     # workers) never load a half-written file.
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=target.suffix, dir=target.parent)
@@ -101,7 +113,10 @@ def _build(compiler: list[str], target: Path) -> None:
         errors = []
         for extra in (NATIVE_FLAGS, ()):
             cmd = [*compiler, *CFLAGS, *extra, f"-I{include}", str(SOURCE), "-o", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise RuntimeError(f"cannot run the C compiler `{compiler[0]}`: {exc}") from exc
             if proc.returncode == 0:
                 os.replace(tmp, target)
                 return
@@ -127,15 +142,82 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+@functools.cache
+def _compiler_version(compiler: tuple[str, ...]) -> str:
+    try:
+        proc = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
+        return proc.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _target_path(compiler: list[str], base: Path | None = None) -> Path:
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
+    digest.update(_compiler_version(tuple(compiler)).encode())
     digest.update(
         repr((compiler, CFLAGS, NATIVE_FLAGS, sys.version, sysconfig.get_platform())).encode()
     )
     digest.update(_cpu_identity().encode())
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return (base or build_dir()) / digest.hexdigest()[:16] / f"{MODULE_NAME}{suffix}"
+
+
+def _check_private(path: Path) -> None:
+    """Refuse to load a file that someone else could have written: the file and the two
+    folders above it (``<dir>/<hash>/``) must belong to this user and be writable by
+    nobody else (POSIX; elsewhere nothing to check)."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:
+        return
+    for item in (path, path.parent, path.parent.parent):
+        st = item.stat()
+        if st.st_uid != getuid() or st.st_mode & 0o022:
+            raise RuntimeError(
+                f"{item} belongs to another user or is writable by others; not loading "
+                f"{path.name} from there (remove it, or set {DIR_ENV} to a private folder)"
+            )
+
+
+# Inputs that catch a miscompiled conversion (a compiler or $CC flags that ignore IEEE
+# rules): e4m3 ties, subnormals, the saturation edge, NaN, +-0, at scales that round.
+_PROBE_VALUES = [0.0, -0.0, float("nan"), float("inf"), 1.0625, 1.1875, 1.3125, 17.0, 19.0]
+_PROBE_VALUES += [2.0**-9 * k for k in (0.5, 1.0, 1.5, 2.5, 3.0, 7.5)]
+_PROBE_VALUES += [440.0, 448.0, 449.0, 464.0, 479.9, 480.0, 1000.0, 1.6016, 0.123, 3e38]
+
+
+def _self_test(module: ModuleType) -> None:
+    """The built module must store torch's own bytes on tricky inputs before it is used."""
+    from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_read
+
+    base = torch.tensor(_PROBE_VALUES + [-v for v in _PROBE_VALUES], dtype=torch.float32)
+    heads, head_size, block_size = 1, 32, 32
+    values = torch.cat([base, torch.linspace(-600.0, 600.0, 64 * 32 - base.numel())])
+    n = values.numel() // head_size
+    for dtype in DTYPES:
+        x = values.to(dtype).view(n, heads, head_size)
+        for scale in (1.0, 0.37, 3.8627140522003174, 2.0**-7):
+            cache = torch.zeros(
+                n // block_size, heads, block_size, 2 * head_size, dtype=torch.uint8
+            )
+            target = native_target(cache)
+            slots = torch.arange(n)
+            module.write(
+                x.data_ptr(), x.shape, x.stride(), x.dtype,
+                x.data_ptr(), x.shape, x.stride(), x.dtype,
+                target.spec, slots.data_ptr(), slots.shape, slots.stride(), slots.dtype,
+                scale, scale,
+            )  # fmt: skip
+            want = (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-448, 448)
+            want = want.to(torch.float8_e4m3fn).view(torch.uint8)
+            k_bytes, v_bytes = cpu_fp8_cache_read(cache, slots)
+            bad = int((k_bytes != want).sum()) + int((v_bytes != want).sum())
+            if bad:
+                raise RuntimeError(
+                    f"the built module stores {bad} of {2 * want.numel()} {dtype} values at "
+                    f"scale {scale} differently from torch (a compiler or CC flags that "
+                    "do not keep IEEE arithmetic?)"
+                )
 
 
 def _import(path: Path) -> ModuleType:
@@ -174,8 +256,16 @@ def load() -> ModuleType | None:
                     unwritable.append(f"{base}: {exc}")
             else:
                 raise RuntimeError("no folder to build in: " + "; ".join(unwritable))
-            module = _import(path)
-            module.setup(torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+            _check_private(path)
+            try:
+                candidate = _import(path)
+            except (ImportError, OSError) as exc:  # a damaged file: build it once more
+                logger.info("kvscale: rebuilding %s (%s)", path, exc)
+                _build(compiler, path)
+                candidate = _import(path)
+            candidate.setup(torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+            _self_test(candidate)
+            module = candidate
         except Exception as exc:  # noqa: BLE001 - any failure: the torch write instead
             _failure.append(f"{type(exc).__name__}: {exc}")
             warn_once(

@@ -436,13 +436,27 @@ def test_unproven_layout_falls_back_with_one_warning(checkpoint, kvscale_warning
             layer.isa = "amx"
         assert_vllm_write_kept(llm)
         assert len(kvscale_warnings("'amx' cache layout")) == 1
-        # A layout name we know but whose bytes disagree with vLLM's op on this build.
-        monkeypatch.setattr(vllm_cpu_write, "layout_matches_vllm", lambda *a: False)
+        # A layout name we know but whose bytes disagree with vLLM's op on this build:
+        # the compiled write first (the plain-torch one serves), then both.
+        checked = []
+
+        def only_torch_matches(*args: Any) -> bool:
+            checked.append(args[-1])
+            return args[-1] == "torch"
+
+        monkeypatch.setattr(vllm_cpu_write, "layout_matches_vllm", only_torch_matches)
         for layer in layers:
             layer.isa = "vec"
             layer.impl.__dict__.pop("_kvscale_cpu_write_route", None)
+        warm(llm)
+        assert all(route(layer) == {torch.bfloat16: "torch:vec"} for layer in layers)
+        assert len(kvscale_warnings("kvscale's plain-torch write is used")) == 1
+        assert checked[:2] == ["c", "torch"]
+        monkeypatch.setattr(vllm_cpu_write, "layout_matches_vllm", lambda *a: False)
+        for layer in layers:
+            layer.impl.__dict__.pop("_kvscale_cpu_write_route", None)
         assert_vllm_write_kept(llm)
-        assert len(kvscale_warnings("does not reproduce vLLM's 'vec' cache layout")) == 1
+        assert len(kvscale_warnings("write (torch) does not reproduce vLLM's 'vec' cache")) == 1
 
 
 @pytest.mark.parametrize("mode", [None, "rne-torch"])

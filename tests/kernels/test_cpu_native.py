@@ -9,6 +9,7 @@ The layout and the shared write cases run for both implementations in
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -223,3 +224,44 @@ def test_processes_building_at_once_all_load_it(tmp_path):
     assert len(files) == 1
     built = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert [p.name for p in built] == [Path(next(iter(files))).name]  # no temp files left
+
+
+def test_a_folder_others_can_write_is_not_loaded_from(module, rebuild, tmp_path):
+    rebuild.setenv(cpu_native.DIR_ENV, str(tmp_path))
+    assert cpu_native.load() is not None  # built there
+    path = cpu_native._target_path(cpu_native._compiler(), tmp_path)
+    cpu_native._forget()
+    path.parent.chmod(0o777)
+    try:
+        assert cpu_native.load() is None
+        assert "writable by others" in cpu_native.failure()
+    finally:
+        path.parent.chmod(0o700)
+
+
+def test_a_damaged_file_is_built_again(module, rebuild, tmp_path):
+    # (a file this process has not loaded: rewriting a loaded one in place would pull
+    # the code from under the process)
+    rebuild.setenv(cpu_native.DIR_ENV, str(tmp_path))
+    path = cpu_native._target_path(cpu_native._compiler(), tmp_path)
+    path.parent.mkdir(mode=0o700, parents=True)
+    path.write_bytes(b"not a shared object")
+    again = cpu_native.load()
+    assert again is not None, cpu_native.failure()
+    assert path.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_a_build_that_stores_other_bytes_is_refused(module, rebuild, kvscale_warnings):
+    def wrong(module_):
+        def write(*args):
+            module_.write(*args)
+            # then flip one bit of the first cache byte the self-test reads back
+            ctypes.c_uint8.from_address(args[8][0]).value ^= 0x01
+
+        return type("Miscompiled", (), {"setup": module_.setup, "write": staticmethod(write)})()
+
+    real_import = cpu_native._import
+    rebuild.setattr(cpu_native, "_import", lambda path: wrong(real_import(path)))
+    assert cpu_native.load() is None
+    assert "differently from torch" in cpu_native.failure()
+    assert len(kvscale_warnings("compiled CPU FP8 cache write is not available")) == 1

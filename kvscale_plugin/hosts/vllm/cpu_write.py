@@ -148,10 +148,13 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
             or target[0] is not kv_cache
             or target[1] != route
             or target[2] != kv_cache.data_ptr()
+            or target[4] != kv_cache.stride()
+            or target[5] != kv_cache.shape
         ):
             # Per layer, for as long as the engine hands over the same cache tensor with
-            # the same storage (the compiled write keeps a raw pointer: a cache whose
-            # storage was swapped must never be written through the old one). Built as
+            # the same storage and geometry (the compiled write keeps a raw pointer: a
+            # cache whose storage was swapped must never be written through the old
+            # one). Built as
             # a normal (not inference-mode) view, which is writable both in vLLM's
             # inference-mode forward and outside it.
             with torch.inference_mode(False):
@@ -160,7 +163,7 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
                     if route == "c:vec"
                     else _target(kv_cache, route.split(":", 1)[1])
                 )
-            target = (kv_cache, route, kv_cache.data_ptr(), made)
+            target = (kv_cache, route, kv_cache.data_ptr(), made, kv_cache.stride(), kv_cache.shape)
             setattr(self, _TARGET_ATTR, target)
         if route == "c:vec":
             _native_write(
@@ -303,6 +306,16 @@ def _decide(
         if module is not None:
             _native_module, implementation = module, "c"
             _native_write, _native_target = cpu_native.write_native, cpu_native.native_target
+    if implementation == "c" and not layout_matches_vllm(isa, block_size, two_hs // 2, dtype, "c"):
+        warn_once(
+            f"cpu-write-layout-c-{isa}-{block_size}-{two_hs // 2}",
+            "kvscale: the compiled FP8 cache write does not reproduce vLLM's %r cache "
+            "layout (block size %d, head size %d); kvscale's plain-torch write is used.",
+            isa,
+            block_size,
+            two_hs // 2,
+        )
+        implementation = "torch"
     if not layout_matches_vllm(isa, block_size, two_hs // 2, dtype, implementation):
         warn_once(
             f"cpu-write-layout-{isa}-{block_size}-{two_hs // 2}",
