@@ -142,8 +142,11 @@ def write_alone(
                 t = median_us(fn, r)
                 best[name] = min(best.get(name, t), t)
         plan_us = best["plan"]
-        rows = [("vLLM (truncate)", "vLLM"), ("kvscale C (RNE)", "C")]
-        rows.append(("kvscale torch (RNE)", "torch"))
+        rows = [
+            ("vLLM (truncate)", "vLLM"),
+            ("kvscale C (RNE)", "C"),
+            ("kvscale torch (RNE)", "torch"),
+        ]
         for name, key_ in rows:
             if key_ not in fns:
                 continue

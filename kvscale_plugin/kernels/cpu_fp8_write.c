@@ -8,8 +8,9 @@
  * (IEEE fp32 division, saturation to +-448, round to nearest even, NaN kept as NaN
  * with its sign, -0 kept), for every token whose slot is >= 0, in one call for K and V
  * and with no temporary tensors. It is a plain CPython extension (no torch headers):
- * the Python side passes data pointers, strides and sizes it has checked, so that a
- * call costs about as much as one small torch op. Built on first use by
+ * the Python side passes data pointers, torch.Size / stride tuples and dtype objects,
+ * which write() checks before it touches memory; a call costs less than one small
+ * torch op. Built on first use by
  * cpu_native.py with the machine's C compiler.
  *
  * Build flags must keep IEEE semantics: no -ffast-math (the division and the

@@ -2,19 +2,19 @@
 
 The plain-torch write (``cpu_cache_write``) needs six torch ops per layer and a plan
 per step; at decode sizes their per-op overhead is its whole cost. The same contract
-written as one C loop costs one call: ``native_cache_write`` quantizes K and V
+written as one C loop costs one call: ``write_native`` quantizes K and V
 (``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)``, bit for bit) straight
 into the cache bytes, slots < 0 skipped, with no temporary tensors.
 
 The C file ships with the package and is compiled on first use with the machine's C
 compiler (``$CC``, else Python's own, ``cc``, ``gcc`` or ``clang``) into
 ``$KVSCALE_NATIVE_DIR`` or ``$XDG_CACHE_HOME/kvscale-plugin/native`` (``~/.cache``),
-keyed by the source, the compiler command and the Python ABI; later processes load
-the built file (a fraction of a millisecond). It is a plain CPython extension: no
-torch headers, so the build takes well under a second. Triton does the same for its
-GPU launchers. Without a working compiler (or Python headers) ``load()`` returns None
-and says why once; the host then uses the plain-torch write, which stores the same
-bytes.
+keyed by the source, the compiler (command and version), the flags, the Python ABI and
+the CPU; later processes load the built file (a few milliseconds, with its self-test).
+It is a plain CPython extension: no torch headers, so the build takes about a second
+(Triton does the same for its GPU launchers). Without a working compiler (or Python
+headers), or if the built file fails its checks, ``load()`` returns None and says why
+once; the host then uses the plain-torch write, which stores the same bytes.
 
 No host import: pure torch + the standard library.
 """
@@ -152,6 +152,12 @@ def _compiler_version(compiler: tuple[str, ...]) -> str:
 
 
 def _target_path(compiler: list[str], base: Path | None = None) -> Path:
+    return (base or build_dir()) / _build_name(tuple(compiler))
+
+
+@functools.cache
+def _build_name(compiler: tuple[str, ...]) -> str:
+    """``<hash>/<module file>``: what the built file depends on, computed once."""
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(_compiler_version(tuple(compiler)).encode())
@@ -160,7 +166,7 @@ def _target_path(compiler: list[str], base: Path | None = None) -> Path:
     )
     digest.update(_cpu_identity().encode())
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    return (base or build_dir()) / digest.hexdigest()[:16] / f"{MODULE_NAME}{suffix}"
+    return f"{digest.hexdigest()[:16]}/{MODULE_NAME}{suffix}"
 
 
 def _check_private(path: Path) -> None:
@@ -189,6 +195,7 @@ _PROBE_VALUES += [440.0, 448.0, 449.0, 464.0, 479.9, 480.0, 1000.0, 1.6016, 0.12
 def _self_test(module: ModuleType) -> None:
     """The built module must store torch's own bytes on tricky inputs before it is used."""
     from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_read
+    from kvscale_plugin.kernels.reference import quantize_e4m3_reference
 
     base = torch.tensor(_PROBE_VALUES + [-v for v in _PROBE_VALUES], dtype=torch.float32)
     heads, head_size, block_size = 1, 32, 32
@@ -200,16 +207,9 @@ def _self_test(module: ModuleType) -> None:
             cache = torch.zeros(
                 n // block_size, heads, block_size, 2 * head_size, dtype=torch.uint8
             )
-            target = native_target(cache)
             slots = torch.arange(n)
-            module.write(
-                x.data_ptr(), x.shape, x.stride(), x.dtype,
-                x.data_ptr(), x.shape, x.stride(), x.dtype,
-                target.spec, slots.data_ptr(), slots.shape, slots.stride(), slots.dtype,
-                scale, scale,
-            )  # fmt: skip
-            want = (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-448, 448)
-            want = want.to(torch.float8_e4m3fn).view(torch.uint8)
+            write_native(module, x, x, native_target(cache), slots, scale, scale)
+            want = quantize_e4m3_reference(x, torch.tensor([scale])).view(torch.uint8)
             k_bytes, v_bytes = cpu_fp8_cache_read(cache, slots)
             bad = int((k_bytes != want).sum()) + int((v_bytes != want).sum())
             if bad:
@@ -271,7 +271,10 @@ def load() -> ModuleType | None:
             warn_once(
                 "cpu-native-build",
                 "kvscale: the compiled CPU FP8 cache write is not available (%s); the "
-                "plain-torch write is used (same bytes, slower at decode sizes).",
+                "plain-torch write is used (same bytes, slower at decode sizes). For the "
+                "compiled one, set CC to a working C compiler (Python's headers "
+                "installed); KVSCALE_CPU_FP8_WRITE=rne-torch selects the plain-torch "
+                "write without this warning.",
                 _failure[-1],
             )
         _loaded.append(module)

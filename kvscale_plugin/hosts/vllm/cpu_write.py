@@ -142,20 +142,13 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         if route is None:
             original(self, layer, key, value, kv_cache, slot_mapping)
             return
-        target = self.__dict__.get(_TARGET_ATTR)
-        if (
-            target is None
-            or target[0] is not kv_cache
-            or target[1] != route
-            or target[2] != kv_cache.data_ptr()
-            or target[4] != kv_cache.stride()
-            or target[5] != kv_cache.shape
-        ):
-            # Per layer, for as long as the engine hands over the same cache tensor with
-            # the same storage and geometry (the compiled write keeps a raw pointer: a
-            # cache whose storage was swapped must never be written through the old
-            # one). Built as
-            # a normal (not inference-mode) view, which is writable both in vLLM's
+        # Per layer, for as long as the engine hands over the same cache tensor with the
+        # same storage and geometry (the compiled write keeps a raw pointer: a cache
+        # whose storage was swapped must never be written through the old one).
+        storage = (kv_cache, route, kv_cache.data_ptr(), kv_cache.stride(), kv_cache.shape)
+        held = self.__dict__.get(_TARGET_ATTR)
+        if held is None or held[0][0] is not kv_cache or held[0][1:] != storage[1:]:
+            # A normal (not inference-mode) view: writable both in vLLM's
             # inference-mode forward and outside it.
             with torch.inference_mode(False):
                 made = (
@@ -163,20 +156,21 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
                     if route == "c:vec"
                     else _target(kv_cache, route.split(":", 1)[1])
                 )
-            target = (kv_cache, route, kv_cache.data_ptr(), made, kv_cache.stride(), kv_cache.shape)
-            setattr(self, _TARGET_ATTR, target)
+            held = (storage, made)
+            setattr(self, _TARGET_ATTR, held)
+        target = held[1]
         if route == "c:vec":
             _native_write(
                 _native_module,
                 key,
                 value,
-                target[3],
+                target,
                 slot_mapping,
                 layer._k_scale_float,
                 layer._v_scale_float,
             )
             return
-        flat, geometry = target[3]
+        flat, geometry = target
         _write(
             key,
             value,
@@ -310,10 +304,12 @@ def _decide(
         warn_once(
             f"cpu-write-layout-c-{isa}-{block_size}-{two_hs // 2}",
             "kvscale: the compiled FP8 cache write does not reproduce vLLM's %r cache "
-            "layout (block size %d, head size %d); kvscale's plain-torch write is used.",
+            "layout (block size %d, head size %d); kvscale's plain-torch write is used "
+            "(same bytes; %s=rne-torch selects it without this check).",
             isa,
             block_size,
             two_hs // 2,
+            ENV_VAR,
         )
         implementation = "torch"
     if not layout_matches_vllm(isa, block_size, two_hs // 2, dtype, implementation):
