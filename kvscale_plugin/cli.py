@@ -24,12 +24,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a checkpoint's KV scales will do, without starting an engine",
         description="Read config.json and safetensors headers (and only the scale tensors' "
         "bytes) and report the KV scheme verdict, every scale tensor, its host name, "
-        "problems, and what stock vLLM 0.32 would do compared to kvscale. Exit status: "
+        "problems, and what the stock host (the installed release, or the one named with "
+        "--host) would do compared to kvscale. Exit status: "
         "0 fine, 1 problems that change what is served, 2 unusable input.",
     )
     inspect.add_argument("model_dir", help="checkpoint directory (config.json + *.safetensors)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    inspect.add_argument("--host", choices=("vllm", "sglang"), default="vllm")
+    inspect.add_argument(
+        "--host",
+        default="vllm",
+        metavar="HOST[==VERSION]",
+        help="vllm (default) or sglang; reported against the installed release, or the one "
+        "named (vllm==0.31.0)",
+    )
 
     calibrate = sub.add_parser(
         "calibrate",

@@ -172,6 +172,9 @@ class InspectReport:
     problems: list[Problem]
     layers: list[LayerRow]
     tensors: list[ScaleTensor]
+    #: The host release reported against (installed, or named with ``--host vllm==X``).
+    host_version: str | None = None
+    host_note: str = ""
 
     @property
     def exit_status(self) -> int:

@@ -28,6 +28,8 @@ def render_text(report: InspectReport) -> str:
         f"{heads}{files}{' (sharded)' if report.sharded else ''}, {report.num_tensors} tensors, "
         f"{n_scales} scale tensors; read {report.bytes_read:,} of {report.total_bytes:,} bytes"
     )
+    if report.host_note:
+        out.append(f"  release  {report.host_note}")
     out.append(f"  scheme   {v.describe()}")
     out.append(f"  stock    {report.stock_engine}: {report.stock_summary}")
     out.append(f"  kvscale  {report.kvscale_summary}")

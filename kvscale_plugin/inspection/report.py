@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvscale_plugin.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from kvscale_plugin.checkpoint import Checkpoint, open_checkpoint
 from kvscale_plugin.inspection import config as cfg
+from kvscale_plugin.inspection.hostversion import parse_host
 from kvscale_plugin.inspection.problems import collect_problems
 from kvscale_plugin.inspection.records import (
     Heads,
@@ -35,7 +36,7 @@ from kvscale_plugin.inspection.tensors import (
     naming,
     zero_point_value,
 )
-from kvscale_plugin.names import HOSTS, map_scale_name
+from kvscale_plugin.names import map_scale_name
 from kvscale_plugin.scales import ScaleSource, resolve_kv_scales
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
 
@@ -53,11 +54,16 @@ class _Model:
 
 
 def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectReport:
-    """Inspect ``model_dir`` for ``host``. Raises ``CheckpointError`` on unusable input."""
-    if host not in HOSTS:
-        raise CheckpointError(f"unknown host {host!r}; choose one of {', '.join(HOSTS)}.")
+    """Inspect ``model_dir`` for ``host`` (``vllm``, ``vllm==0.31.0``, ``sglang``, ...:
+    the installed release unless one is named). Raises ``CheckpointError`` on unusable
+    input."""
+    release = parse_host(host)
     with open_checkpoint(model_dir) as ckpt:
-        return _inspect(ckpt, host)
+        report = _inspect(ckpt, release.host)
+    report.host_version = release.version
+    report.host_note = release.note
+    report.stock_engine = release.engine
+    return report
 
 
 def _inspect(ckpt: Checkpoint, host: str) -> InspectReport:

@@ -109,7 +109,7 @@ class StockSummary(_Model):
     """What the unmodified host does with this checkpoint."""
 
     engine: str
-    """"vllm 0.32" or "sglang"."""
+    """The host and the release reported against, e.g. "vllm 0.31.0", "sglang 0.5.23"."""
     outcome: Outcome = Field(description=_OUTCOMES)
     summary: str
     basis: str
@@ -237,6 +237,11 @@ class InspectOutput(_Model):
     kvscale_version: str
     model_dir: str
     host: Literal["vllm", "sglang"]
+    host_version: str | None
+    """The host release reported against: the installed one, or the one named with
+    ``--host vllm==X`` (null: none installed, none named)."""
+    host_note: str
+    """What the report rests on for that release (tested, checked statically, or modelled)."""
     model_type: str | None
     """config.json model_type (given to the name-mapping hooks)."""
     num_hidden_layers: int | None
@@ -328,6 +333,8 @@ def output_model(report: InspectReport) -> InspectOutput:
             "kvscale_version": __version__,
             "model_dir": report.model_dir,
             "host": report.host,
+            "host_version": report.host_version,
+            "host_note": report.host_note,
             "model_type": report.model_type,
             "num_hidden_layers": report.num_hidden_layers,
             "attention_layers": report.attention_layers,

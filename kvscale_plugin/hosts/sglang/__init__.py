@@ -8,8 +8,9 @@ SGLang is imported only inside it. The package splits by how the code ages:
   placement, scale loaders), written to SGLang's quantization extension point.
 * ``patches``: the ``HookRegistry`` patches for SGLang 0.5.23's gaps (scale-name
   mapping, attention built without ``quant_config``, Mixtral routing). These wrap
-  SGLang internals, so they are what an SGLang upgrade breaks; a moved target is an
-  error, never a silent fall-back to stock behaviour.
+  SGLang internals, so they are what an SGLang upgrade breaks; a moved target leaves
+  ``kvscale`` unoffered (one warning), never a silent fall-back to stock behaviour and
+  never an exception into SGLang.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import threading
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
 
-#: SGLang releases this adapter is tested against (it leans on internals that move).
+#: SGLang releases this adapter is tested against: the full suite runs on these ...
 TESTED_SGLANG_VERSIONS = ("0.5.23",)
+#: ... and every patch target is checked in these releases' sources (tests/sglang_host).
+STATIC_SGLANG_VERSIONS = ("0.5.21", "0.5.22")
 
 _registered = False
 _lock = threading.Lock()
@@ -29,33 +32,47 @@ _lock = threading.Lock()
 def register() -> None:
     """Register ``--quantization kvscale`` with SGLang, plus the patches that close its gaps.
 
-    Checks first that every patch target exists in the installed SGLang (a
-    ``RuntimeError`` naming the moved targets otherwise, with nothing registered), then
-    adds ``kvscale`` to SGLang's quantization registries and CLI choices once and
-    registers the ``HookRegistry`` patches. Safe to call any number of times, in any
-    process.
+    Checks first that every patch target exists in the installed SGLang (if one moved,
+    nothing is registered: one warning names the moved targets, and SGLang runs as if
+    kvscale were not installed), then adds ``kvscale`` to SGLang's quantization registries
+    and CLI choices once and registers the ``HookRegistry`` patches. Never raises (SGLang's
+    plugin loader would log it, but a plugin must not rely on that); safe to call any
+    number of times, in any process.
     """
     global _registered
     with _lock:
         if _registered:
             return
-        import sglang
+        try:
+            _register()
+        except Exception as exc:  # noqa: BLE001 - never break the host
+            from kvscale_plugin._log import warn_once
 
-        from kvscale_plugin.hosts._common import base_version, import_adapter
-
-        found = base_version(getattr(sglang, "__version__", "unknown"))
-        method = import_adapter(
-            "SGLang", found, TESTED_SGLANG_VERSIONS, "kvscale_plugin.hosts.sglang.method"
-        )
-        patches = import_adapter(
-            "SGLang", found, TESTED_SGLANG_VERSIONS, "kvscale_plugin.hosts.sglang.patches"
-        )
-        # Before anything is registered: a moved target leaves kvscale unoffered, not
-        # half-installed.
-        patches.check_targets()
-        method.register_quantization()
-        patches.register_hooks()
+            warn_once(
+                f"sglang-register:{type(exc).__name__}",
+                "kvscale: could not hook into SGLang (%s: %s); SGLang runs as if "
+                "kvscale-plugin were not installed (--quantization kvscale is unavailable).",
+                type(exc).__name__,
+                exc,
+            )
+            return
         _registered = True
         logger.debug(
             "kvscale: registered quantization method '%s' with SGLang", QUANTIZATION_METHOD
         )
+
+
+def _register() -> None:
+    import sglang
+
+    from kvscale_plugin.hosts._common import base_version, import_adapter
+
+    found = base_version(getattr(sglang, "__version__", "unknown"))
+    tested = TESTED_SGLANG_VERSIONS + STATIC_SGLANG_VERSIONS
+    method = import_adapter("SGLang", found, tested, "kvscale_plugin.hosts.sglang.method")
+    patches = import_adapter("SGLang", found, tested, "kvscale_plugin.hosts.sglang.patches")
+    # Before anything is registered: a moved target leaves kvscale unoffered, not
+    # half-installed.
+    patches.check_targets()
+    method.register_quantization()
+    patches.register_hooks()

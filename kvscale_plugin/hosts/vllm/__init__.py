@@ -1,9 +1,17 @@
 """vLLM entry point (``vllm.general_plugins: kvscale``).
 
-vLLM loads general plugins in every process (API server, engine core, each
-worker), so ``register`` is idempotent. vLLM is imported only inside it; the
-classes that subclass vLLM's live in ``method`` (with ``parity``, ``backend`` and
-``cpu_write`` beside it) and are imported lazily.
+vLLM loads general plugins in every process (API server, engine core, each worker), and
+calls each plugin with no try/except: a plugin that raises stops every vLLM start, also
+the ones that never asked for kvscale. So ``register`` never raises. It checks every vLLM
+internal the adapter touches (``internals.INTERNALS``) before registering anything, then
+installs each feature whose targets hold, all or nothing per feature; a missing target
+costs only its feature, with one warning. If the core (``scales``) cannot work on this
+vLLM, ``kvscale`` is registered as a method that refuses to start, naming the version and
+the supported range -- every other engine starts as if kvscale were not installed.
+
+vLLM is imported only inside ``register``; the classes that subclass vLLM's live in
+``method`` (with ``parity``, ``reload``, ``mtp``, ``backend`` and ``cpu_write`` beside it)
+and are imported lazily.
 """
 
 from __future__ import annotations
@@ -13,64 +21,33 @@ import threading
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger, warn_once
 
-#: vLLM releases this adapter is tested against (it leans on internals that move).
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+#: vLLM releases this adapter is tested against: run (CPU builds) and checked statically.
+TESTED_VLLM_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
 
 _registered = False
 _lock = threading.Lock()
 
 
 def register() -> None:
-    """Register the ``kvscale`` quantization method (and the CUSTOM attention backend)."""
+    """Register ``--quantization kvscale`` and every feature this vLLM supports.
+
+    Never raises; idempotent; a failed attempt leaves nothing behind, so a second one
+    behaves like the first."""
     global _registered
     with _lock:
         if _registered:
             return
-        import vllm
+        try:
+            from kvscale_plugin.hosts.vllm.install import install_all
 
-        from kvscale_plugin.hosts._common import base_version, import_adapter
-
-        found = base_version(getattr(vllm, "__version__", "unknown"))
-        method = import_adapter(
-            "vLLM", found, TESTED_VLLM_VERSIONS, "kvscale_plugin.hosts.vllm.method"
-        )
-        method.register_quantization()
-        _register_backend()
-        _install_cpu_write()
-        _registered = True
-        logger.debug("kvscale: registered quantization method '%s'", QUANTIZATION_METHOD)
-
-
-def _register_backend() -> None:
-    # The fused Triton cache-write backend is optional: a failure there must not
-    # take the scale loading (the part every platform needs) down with it.
-    try:
-        from kvscale_plugin.hosts.vllm.backend import register_backend
-
-        register_backend()
-    except Exception as exc:  # noqa: BLE001 - reported, and scale loading keeps working
-        warn_once(
-            "vllm-backend",
-            "kvscale: the CUSTOM attention backend (fused FP8 cache write) could not be "
-            "registered: %s: %s. Scales are still loaded; --attention-backend CUSTOM is "
-            "unavailable.",
-            type(exc).__name__,
-            exc,
-        )
-
-
-def _install_cpu_write() -> None:
-    # Round-to-nearest-even FP8 cache write for kvscale layers on vLLM's CPU
-    # platform. Optional like the backend: a failure keeps vLLM's own write.
-    try:
-        from kvscale_plugin.hosts.vllm.cpu_write import install
-
-        install()
-    except Exception as exc:  # noqa: BLE001 - reported, and scale loading keeps working
-        warn_once(
-            "vllm-cpu-write",
-            "kvscale: the CPU FP8 cache write could not be installed: %s: %s. Scales are "
-            "still loaded; vLLM's own CPU cache write (round toward zero) is used.",
-            type(exc).__name__,
-            exc,
-        )
+            install_all()
+            _registered = True
+            logger.debug("kvscale: registered quantization method '%s'", QUANTIZATION_METHOD)
+        except Exception as exc:  # noqa: BLE001 - never break the host
+            warn_once(
+                f"vllm-register:{type(exc).__name__}",
+                "kvscale: could not hook into vLLM (%s: %s); vLLM runs as if kvscale-plugin "
+                "were not installed (--quantization kvscale is unavailable).",
+                type(exc).__name__,
+                exc,
+            )

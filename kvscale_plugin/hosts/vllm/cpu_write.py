@@ -49,6 +49,7 @@ import torch
 
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.hosts.vllm.backend import is_kvscale_layer
+from kvscale_plugin.hosts.vllm.internals import replace
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
 """Environment variable: ``rne`` (default: kvscale's write, compiled where possible),
@@ -113,7 +114,7 @@ def install() -> bool:
     with _install_lock:
         current = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
         if getattr(current, _ORIGINAL_ATTR, None) is None:
-            CPUAttentionBackendImpl.do_kv_cache_update = _wrap(current)
+            replace(CPUAttentionBackendImpl, "do_kv_cache_update", _wrap(current))
     return True
 
 

@@ -28,10 +28,10 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.model_executor.utils import is_weights_pre_processed
 from vllm.platforms import current_platform
-from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import info_once
+from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
@@ -40,7 +40,6 @@ from kvscale_plugin.hosts._common import (
     warn_missing_scales,
     warn_unmapped_scales,
 )
-from kvscale_plugin.hosts.vllm.parity import install as install_name_parity
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.names import (
     declared_mtp_layers,
@@ -231,9 +230,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         cfg = self.quant_config
         # In an engine's worker process, by now: its reload entry points get kvscale's
         # after-reload check (see reload.install_worker_wrappers; idempotent, cheap).
-        from kvscale_plugin.hosts.vllm.reload import install_worker_wrappers
-
-        install_worker_wrappers()
+        _install_worker_wrappers()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
         # A new load cycle for this layer: what an earlier cycle found corrupt is moot.
@@ -451,6 +448,25 @@ def _zero_point_loader(tensor_name: str) -> Callable[..., None]:
     return load_kv_zero_point
 
 
+def _install_worker_wrappers() -> None:
+    from kvscale_plugin.hosts.vllm import internals
+
+    if "reload-check" not in internals.installed:
+        return
+    try:
+        from kvscale_plugin.hosts.vllm.reload import install_worker_wrappers
+
+        install_worker_wrappers()
+    except Exception as exc:  # noqa: BLE001 - costs the reload check only, never the load
+        warn_once(
+            "vllm-reload-worker",
+            "kvscale: the reload check could not hook into this vLLM's worker (%s: %s); "
+            "a reload with corrupt KV scales is not refused.",
+            type(exc).__name__,
+            exc,
+        )
+
+
 def _pipeline_parallel() -> bool:
     from vllm.distributed import get_pp_group
 
@@ -500,12 +516,5 @@ def _explicit_fp8_cache() -> bool:
 
 
 def register_quantization() -> None:
+    """Register ``KVScaleConfig`` as ``--quantization kvscale`` (the ``scales`` feature)."""
     register_quantization_config(QUANTIZATION_METHOD)(KVScaleConfig)
-    install_name_parity()
-    # Beside KVScaleKVCacheMethod, which they look for in a model; imported here, once
-    # this module is complete.
-    from kvscale_plugin.hosts.vllm.mtp import install_draft_routing
-    from kvscale_plugin.hosts.vllm.reload import install_reload_check
-
-    install_reload_check()
-    install_draft_routing()

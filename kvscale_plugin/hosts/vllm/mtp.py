@@ -1,5 +1,5 @@
 """MTP (speculative-decoding draft) layers: their checkpoint KV scales reach the draft's
-attention layers (imported by ``method.register_quantization``).
+attention layers (the ``mtp-drafts`` feature, installed by ``hosts.vllm.register``).
 
 vLLM 0.32 builds an MTP draft as its own model (``*_mtp`` model type) from the same
 checkpoint, and its drafts route checkpoint names on their own: MiMo's never applies a
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvscale_plugin.hosts._common import warn_unmapped_scales
+from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.method import (
     DRAFT_SCOPE,
     HOST,
@@ -140,4 +141,4 @@ def install_draft_routing() -> None:
     setattr(get_all_weights, _DRAFT_WRAPPED, True)
     get_all_weights.__wrapped__ = original  # type: ignore[attr-defined]
     get_all_weights.__doc__ = original.__doc__
-    DefaultModelLoader.get_all_weights = get_all_weights  # type: ignore[method-assign]
+    replace(DefaultModelLoader, "get_all_weights", get_all_weights)

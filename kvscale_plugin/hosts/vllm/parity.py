@@ -28,6 +28,7 @@ from typing import Any
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import warn_once
+from kvscale_plugin.hosts.vllm.internals import replace
 
 STOCK_NAME = "compressed-tensors"
 #: Architectures whose constructors decide vision-tower quantization by the name.
@@ -73,7 +74,7 @@ def install() -> None:
             setattr(is_nvfp4_quantized, _WRAPPED, True)
             is_nvfp4_quantized.__doc__ = original.__doc__
             is_nvfp4_quantized.__wrapped__ = original  # type: ignore[attr-defined]
-            ModelConfig.is_nvfp4_quantized = is_nvfp4_quantized  # type: ignore[method-assign]
+            replace(ModelConfig, "is_nvfp4_quantized", is_nvfp4_quantized)
 
         try:
             from vllm.v1.metrics import perf

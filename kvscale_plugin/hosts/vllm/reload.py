@@ -1,7 +1,7 @@
 """In-place reloads (``collective_rpc("reload_weights")``, and the weight-transfer
 engines' ``start_weight_update`` / ``finish_weight_update`` used for RL weight sync):
-what vLLM's layerwise reload gives no per-layer hook for (imported by
-``method.register_quantization``).
+what vLLM's layerwise reload gives no per-layer hook for (the ``reload-check``
+feature, installed by ``hosts.vllm.register``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import shorten
+from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.method import KVScaleConfig, KVScaleKVCacheMethod
 from kvscale_plugin.scales import CorruptScaleError, format_corrupt_scales
 
@@ -184,25 +185,48 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[.
         return
     wrapper = make(original)
     setattr(wrapper, _RELOAD_WRAPPED, True)
-    setattr(owner, name, wrapper)
+    replace(owner, name, wrapper)
 
 
 def install_reload_check() -> None:
     """Idempotent: wrap vLLM's layerwise reload at both ends of a load cycle, where
-    ``reload_weights`` calls it (``reload.inplace``) and where the weight-transfer
-    engines import it from (``model_loader.reload``). At the start, forget the corrupt
-    scales an earlier cycle recorded (a layer that gets no tensor now would keep them for
-    good). While vLLM finalizes, layers keep their scales instead of raising (an exception
-    there leaves vLLM's reload half done); at the end, refuse the reload if any scale was
-    corrupt, and report the layers whose reloaded weights carried no k/v scales while the
-    checkpoint declares a scheme -- vLLM gives no per-layer hook for either."""
-    from vllm.model_executor.model_loader import reload
-    from vllm.model_executor.model_loader.reload import inplace
+    ``reload_weights`` calls it and where the weight-transfer engines import it from
+    (``model_loader.reload``). At the start, forget the corrupt scales an earlier cycle
+    recorded (a layer that gets no tensor now would keep them for good). While vLLM
+    finalizes, layers keep their scales instead of raising (an exception there leaves
+    vLLM's reload half done); at the end, refuse the reload if any scale was corrupt, and
+    report the layers whose reloaded weights carried no k/v scales while the checkpoint
+    declares a scheme -- vLLM gives no per-layer hook for either.
 
-    for module in (inplace, reload):
-        _wrap(module, "initialize_layerwise_reload", _initialize_wrapper)
-        _wrap(module, "finalize_layerwise_reload", _finalize_wrapper)
+    The call site moved: vLLM >= 0.32 calls the functions from ``reload.inplace``; 0.30 and
+    0.31 from the model runner module, which binds them by name when it is imported
+    (wrapped here if it already is, else it imports the wrapped package's names; see
+    ``install_worker_wrappers`` for a model runner imported before this ran)."""
+    from vllm.model_executor.model_loader import reload
+
+    _wrap_layerwise(reload)
+    inplace = _import_optional("vllm.model_executor.model_loader.reload.inplace")
+    if inplace is not None:
+        _wrap_layerwise(inplace)
     install_worker_wrappers()
+
+
+def _wrap_layerwise(module: Any) -> None:
+    for name, make in (
+        ("initialize_layerwise_reload", _initialize_wrapper),
+        ("finalize_layerwise_reload", _finalize_wrapper),
+    ):
+        if hasattr(module, name):
+            _wrap(module, name, make)
+
+
+def _import_optional(name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _raising_after(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -228,11 +252,24 @@ def install_worker_wrappers() -> None:
     """Idempotent: a worker's reload entry points (``reload_weights``, which resets the
     LoRA / encoder / multimodal caches after the reload, and ``finish_weight_update``,
     which ends the weight-update session) raise a corrupt reload's error after their own
-    steps ran. Only once vLLM's worker module is loaded -- in an engine's worker process;
-    called again from the KV method as the model is built (the API server process never
-    imports it, so neither does kvscale)."""
+    steps ran; a model runner that bound the layerwise functions by name (vLLM 0.30 /
+    0.31) gets the wrapped ones. Only once vLLM's worker modules are loaded -- in an
+    engine's worker process; called again from the KV method as the model is built (the
+    API server process never imports them, so neither does kvscale). A missing target
+    here costs only this check (one warning)."""
+    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    if runner is not None:
+        _wrap_layerwise(runner)
     worker = getattr(sys.modules.get("vllm.v1.worker.gpu_worker"), "Worker", None)
     if worker is None:
         return
     for name in ("reload_weights", "finish_weight_update"):
+        if getattr(worker, name, None) is None:
+            warn_once(
+                f"reload-entry-{name}",
+                "kvscale: this vLLM's Worker has no %s; a reload refused by kvscale is "
+                "raised from inside vLLM's reload instead of after it.",
+                name,
+            )
+            continue
         _wrap(worker, name, _raising_after)

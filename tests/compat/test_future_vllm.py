@@ -1,0 +1,54 @@
+"""A future vLLM, simulated: one internal kvscale touches is missing, or a module it needs
+fails to import. Stock starts must not notice; ``--quantization kvscale`` must say what is
+lost (a non-core feature: served without it; the core: refused at that engine's start,
+naming the version and the supported range). Registration itself never raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_vllm_release import PLAIN, assert_started_or_refused_fp8, probe, vllm_version
+
+from kvscale_plugin.hosts.vllm import internals
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.slow
+def test_missing_target_costs_only_its_feature(tiny, tmp_path):
+    plain = tiny("compat-plain", **PLAIN)
+    stock = probe(tmp_path, model=str(plain), simulate="missing-target")
+    assert stock["started"] and stock["error"] is None, stock
+
+    ckpt = tiny("compat-calibrated", num_layers=3)
+    ours = probe(tmp_path, model=str(ckpt), quantization="kvscale", simulate="missing-target")
+    assert_started_or_refused_fp8(ours)
+    assert set(ours["installed"]) == set(internals.FEATURES) - {"mtp-drafts"}
+    assert all(layer["source"] == "checkpoint" for layer in ours["scales"].values())
+    lost = [w for w in ours["warnings"] if "this feature is unavailable" in w]
+    assert len(lost) == 1, ours["warnings"]
+    assert "MTP draft layers" in lost[0] and "get_all_weights_renamed_in_a_future_vllm" in lost[0]
+    assert f"vLLM {vllm_version()}" in lost[0]
+
+
+@pytest.mark.slow
+def test_core_module_that_fails_to_import_leaves_stock_starts_alone(tiny, tmp_path):
+    plain = tiny("compat-plain", **PLAIN)
+    stock = probe(tmp_path, model=str(plain), simulate="module-fails")
+    assert stock["started"] and stock["error"] is None, stock
+    assert stock["installed"] == []
+
+    ckpt = tiny("compat-calibrated", num_layers=3)
+    # A compressed-tensors checkpoint without -q kvscale: stock's own method serves it.
+    ct = probe(tmp_path, model=str(ckpt), kv_cache_dtype="fp8", simulate="module-fails")
+    assert_started_or_refused_fp8(ct)
+    assert all(layer["source"] is None for layer in ct["scales"].values())
+
+    refused = probe(tmp_path, model=str(ckpt), quantization="kvscale", simulate="module-fails")
+    assert not refused["started"], refused
+    error = refused["error"]
+    assert f"cannot work on vLLM {vllm_version()}" in error, error
+    assert "kvscale_simulated_moved_module" in error and "fails to import" in error, error
+    assert f"supports vLLM >={internals.MIN_VERSION}" in error, error
+    said = [w for w in refused["warnings"] if "lacks what --quantization kvscale needs" in w]
+    assert len(said) == 1, refused["warnings"]

@@ -1,0 +1,242 @@
+"""The compat suite: kvscale on whichever vLLM this venv has (0.30.0 / 0.31.0 in their own
+venvs, ``make test-compat``; 0.32.0 in .venv with the rest of the suite).
+
+What a user of any supported release must get: (a) every stock start works exactly as
+before with kvscale installed -- tokens' logprobs bit-identical to a run with plugins
+disabled, ``--help`` parses; (b) ``--quantization kvscale`` serves the checkpoint's scales
+(per tensor and per head), reloads them, refuses a corrupt reload; (c) ``kvscale inspect``
+reports against this vLLM; (d) every feature of the checked list holds here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvscale_plugin.demo.probe import layer_index, layer_scales, reload_weights, vllm_engine
+from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales
+from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.scales import CorruptScaleError
+
+pytestmark = pytest.mark.engine
+HERE = Path(__file__).parent
+PER_HEAD = {**FP8_KV_SCHEME, "strategy": "attn_head"}
+#: A plain bf16 model: no quantization_config, no scale tensors.
+PLAIN = {"quantization_config": False, "kv_cache_scheme": None, "write_scales": False}
+
+
+def vllm_version() -> str:
+    import vllm
+
+    from kvscale_plugin.hosts._common import base_version
+
+    return base_version(vllm.__version__)
+
+
+#: vLLM's CPU attention runs an FP8 cache only with AVX-512 or AMX; it refuses one
+#: elsewhere, after the model (and its KV scales) loaded.
+CPU_FP8 = bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+FP8_REFUSED = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+needs_cpu_fp8 = pytest.mark.skipif(
+    not CPU_FP8, reason="this CPU has neither AVX-512 nor AMX: vLLM's CPU FP8 cache cannot run"
+)
+
+
+def assert_started_or_refused_fp8(result: dict[str, Any]) -> None:
+    """The engine started, or -- only on a CPU without AVX-512 / AMX -- vLLM refused its
+    FP8 cache after loading (the scales it loaded are in ``result`` either way)."""
+    if CPU_FP8 or result["error"] is None:
+        assert result["started"] and result["error"] is None, result
+    else:
+        assert FP8_REFUSED in result["error"], result
+
+
+def probe(tmp_path: Path, env: dict[str, str] | None = None, **args: Any) -> dict[str, Any]:
+    """``_probe.py`` in a fresh interpreter (plugins are loaded once per process)."""
+    full_env = {**os.environ, "TMPDIR": str(tmp_path), **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_probe.py"), json.dumps(args)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        proc.returncode,
+        proc.stdout[-3000:],
+        proc.stderr[-5000:],
+    )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+# ---------------------------------------------------------------- (a) stock starts unchanged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"name": "plain", "fields": PLAIN, "kv_cache_dtype": "auto"},
+        # A compressed-tensors checkpoint with k/v scales, FP8 cache, no -q kvscale.
+        {"name": "ct-fp8", "fields": {}, "kv_cache_dtype": "fp8"},
+    ],
+    ids=lambda c: c["name"],
+)
+def test_stock_start_is_unchanged_with_kvscale_installed(tiny, tmp_path, case):
+    ckpt = tiny(f"compat-{case['name']}", **case["fields"])
+    with_plugin = probe(tmp_path, model=str(ckpt), kv_cache_dtype=case["kv_cache_dtype"])
+    without = probe(
+        tmp_path, env={"VLLM_PLUGINS": ""}, model=str(ckpt), kv_cache_dtype=case["kv_cache_dtype"]
+    )
+    assert with_plugin["kvscale_known"] and not without["kvscale_known"]
+    assert set(with_plugin["installed"]) == set(internals.FEATURES), with_plugin
+    # Exactly as before: the same outcome and numbers, bit for bit, and nothing said.
+    if case["kv_cache_dtype"] == "fp8":
+        assert_started_or_refused_fp8(without)
+    else:
+        assert without["started"] and without["error"] is None, without
+    assert (with_plugin["started"], with_plugin["error"]) == (without["started"], without["error"])
+    assert with_plugin.get("logprobs") == without.get("logprobs")
+    assert with_plugin["scales"] == without["scales"]
+    assert with_plugin["warnings"] == [], with_plugin["warnings"]
+
+
+HELP = """
+import runpy, sys
+from kvscale_plugin.hosts.vllm import internals
+sys.argv = ["api_server", "--help=quantization"]
+try:
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+except SystemExit as exc:
+    print("EXIT", exc.code, "INSTALLED", ",".join(sorted(internals.installed)))
+"""
+
+
+@pytest.mark.slow
+def test_cli_help_parses_with_kvscale_installed(tmp_path):
+    """vLLM loads general plugins while it parses its command line: a plugin that raises
+    there breaks even ``--help``. Here kvscale registers during parsing and help prints."""
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--quantization QUANTIZATION" in proc.stdout, proc.stdout[-2000:]
+    installed = ",".join(sorted(internals.FEATURES))
+    assert f"EXIT 0 INSTALLED {installed}" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- (b) -q kvscale serves scales
+
+
+def test_every_listed_feature_holds_on_this_release(tiny, tmp_path):
+    result = probe(tmp_path, model=str(tiny("default")), quantization="kvscale")
+    assert_started_or_refused_fp8(result)
+    assert set(result["installed"]) == set(internals.FEATURES), result
+    assert [w for w in result["warnings"] if "kvscale" in w] == [], result["warnings"]
+    report = internals.check()
+    assert report.lost() == [], report.problems
+    assert vllm_version() in internals.RUN_TESTED
+
+
+def test_per_tensor_scales_loaded(tiny, tmp_path):
+    ckpt = tiny("compat-calibrated", num_layers=3)
+    stored = read_stored_scales(ckpt)
+    assert len({round(v["k"], 4) for v in stored.values()}) == len(stored)
+    result = probe(tmp_path, model=str(ckpt), quantization="kvscale")
+    assert_started_or_refused_fp8(result)
+    scales = result["scales"]
+    assert len(scales) == len(stored), result
+    for name, s in scales.items():
+        want = stored[layer_index(name)]
+        assert s["source"] == "checkpoint", s
+        assert s["k"] == pytest.approx([want["k"]], rel=1e-6), name
+        assert s["v"] == pytest.approx([want["v"]], rel=1e-6), name
+        assert (s["k_float"], s["v_float"]) == pytest.approx((want["k"], want["v"]), rel=1e-6)
+
+
+def test_per_head_scales_loaded(tiny, tmp_path):
+    ckpt = tiny(
+        "compat-per-head",
+        num_layers=3,
+        per_head=True,
+        kv_cache_scheme=PER_HEAD,
+        head_boost=(1.0, 3.0),
+    )
+    stored = read_stored_scales(ckpt)
+    result = probe(tmp_path, model=str(ckpt), quantization="kvscale")
+    assert_started_or_refused_fp8(result)
+    scales = result["scales"]
+    assert len(scales) == len(stored), result
+    for name, s in scales.items():
+        want = stored[layer_index(name)]
+        assert len(want["k"]) == 2 and want["k"][0] != want["k"][1]
+        assert s["k"] == pytest.approx(want["k"], rel=1e-6), name
+        assert s["v"] == pytest.approx(want["v"], rel=1e-6), name
+        assert s["k_float"] == pytest.approx(max(want["k"]), rel=1e-6), name
+
+
+def test_reload_check_reaches_this_releases_call_site():
+    """vLLM 0.30 / 0.31 call the layerwise reload from the model runner, which binds the
+    functions by name at import; 0.32+ from ``reload.inplace``. Whichever this release
+    has calls kvscale's check (the behaviour is proven by the next test where FP8 runs)."""
+    import importlib
+
+    from kvscale_plugin.hosts.vllm import register
+
+    register()
+    site = "vllm.model_executor.model_loader.reload.inplace"
+    try:
+        module = importlib.import_module(site)
+    except ImportError:
+        module = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+    for name in ("initialize_layerwise_reload", "finalize_layerwise_reload"):
+        assert getattr(getattr(module, name), "__kvscale_reload_check__", False), (module, name)
+
+
+@needs_cpu_fp8
+def test_reload_serves_new_scales_and_refuses_corrupt_ones(tiny):
+    first = tiny("compat-reload-a", scales={0: (2.5, 3.5), 1: (4.5, 5.5)})
+    second = tiny("compat-reload-b", scales={0: (5.5, 6.5), 1: (7.25, 8.75)})
+    bad = tiny("compat-reload-bad", scales={0: (2.0, 3.0), 1: (math.nan, 5.5)})
+
+    def held(llm: Any) -> dict[int, tuple[float, float]]:
+        return {layer_index(n): (s.k, s.v) for n, s in layer_scales(llm).items()}
+
+    with vllm_engine(first, quantization="kvscale") as llm:
+        assert held(llm) == {0: (2.5, 3.5), 1: (4.5, 5.5)}
+        reload_weights(llm, second)
+        assert held(llm) == {0: (5.5, 6.5), 1: (7.25, 8.75)}
+        with pytest.raises(CorruptScaleError, match=r"layers\.1\.self_attn\.attn\.k_scale: NaN"):
+            reload_weights(llm, bad)
+        assert held(llm) == {0: (5.5, 6.5), 1: (7.25, 8.75)}
+
+
+# ---------------------------------------------------------------- (c) inspect
+
+
+def test_inspect_reports_against_the_installed_vllm(tiny):
+    ckpt = tiny("compat-calibrated", num_layers=3)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscale_plugin.cli", "inspect", str(ckpt), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["host_version"] == vllm_version(), report["host_version"]
+    assert report["stock"]["engine"] == f"vllm {vllm_version()}"
+    assert report["kvscale"]["outcome"] == "starts"

@@ -1,0 +1,107 @@
+"""The checked list of vLLM internals, feature gating and all-or-nothing installation
+(pure logic: targets here are kvscale's own modules; the real list is checked against real
+vLLM releases in tests/compat)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.hosts.vllm.internals import Internal, check, params_problem, replace
+
+
+def test_a_missing_target_costs_only_its_feature():
+    report = check(
+        [
+            Internal("kvscale_plugin.scales", "resolve_kv_scales", "scales", "exists"),
+            Internal("kvscale_plugin.scales", "no_such_function", "mtp-drafts", "moved"),
+        ]
+    )
+    assert report.lost() == ["mtp-drafts"]
+    assert (
+        "kvscale_plugin.scales.no_such_function (moved): AttributeError"
+        in (report.problems["mtp-drafts"][0])
+    )
+    assert "scales" in report.held() and "cpu-write" in report.held()
+
+
+def test_a_core_module_that_fails_to_import_costs_every_feature():
+    report = check([Internal("kvscale_plugin._no_such_module", "x", "scales", "core")])
+    assert report.lost() == list(internals.FEATURES)
+    assert "ModuleNotFoundError" in report.problems["scales"][0]
+    assert report.problems["reload-check"] == ["needs the 'scales' feature"]
+
+
+def test_lazy_and_optional_targets_are_not_checked_at_registration():
+    report = check(
+        [
+            Internal("kvscale_plugin._nope", "x", "reload-check", "call site", required=False),
+            Internal("kvscale_plugin._nope", "x", "custom-backend", "heavy", lazy=True),
+        ]
+    )
+    assert report.lost() == []
+
+
+def test_changed_parameters_are_a_problem():
+    assert params_problem(("model",), ["model", "model_config"]) is None
+    assert "expected (model, ...)" in params_problem(("model",), ["layer"])
+    assert params_problem(("model",), None) is None  # *args: takes anything
+
+
+def test_signature_change_is_reported_by_check():
+    report = check(
+        [Internal("kvscale_plugin.scales", "resolve_kv_scales", "mtp-drafts", "x", ("nope",))]
+    )
+    assert "parameters changed" in report.problems["mtp-drafts"][0]
+
+
+def test_transaction_rolls_back_every_replacement():
+    class Owner:
+        kept = "original"
+
+    class Child(Owner):
+        pass
+
+    module = types.ModuleType("m")
+    module.func = "before"
+    with pytest.raises(RuntimeError), internals.transaction():
+        replace(Child, "kept", "patched")  # inherited: rollback deletes the override
+        replace(module, "func", "after")
+        replace(module, "added", 1)
+        raise RuntimeError("half way")
+    assert Child.kept == "original" and "kept" not in Child.__dict__
+    assert module.func == "before" and not hasattr(module, "added")
+
+    with internals.transaction():
+        replace(module, "func", "after")
+    assert module.func == "after"
+
+
+def test_register_never_raises_and_retries_cleanly(monkeypatch, kvscale_warnings):
+    from kvscale_plugin.hosts import vllm as host
+    from kvscale_plugin.hosts.vllm import install
+
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise ImportError("cannot import name 'inplace'")
+
+    monkeypatch.setattr(host, "_registered", False)
+    monkeypatch.setattr(install, "install_all", broken)
+    assert host.register() is None
+    assert host.register() is None
+    assert len(calls) == 2 and host._registered is False  # the second attempt is the first
+    said = kvscale_warnings("could not hook into vLLM")
+    assert len(said) == 1 and "cannot import name 'inplace'" in said[0], said
+    assert "as if kvscale-plugin were not installed" in said[0]
+
+
+def test_every_internal_names_a_known_feature_and_purpose():
+    for item in internals.INTERNALS:
+        assert item.feature in internals.FEATURES, item
+        assert item.purpose and item.module.startswith("vllm"), item
+    # Every feature has at least one required target, checked at registration or lazily.
+    assert {i.feature for i in internals.INTERNALS if i.required} == set(internals.FEATURES)
