@@ -29,7 +29,7 @@ PYTEST := -m pytest -q -p no:cacheprovider
 VLLM_VERSION := 0.32.0
 COMPAT_VLLM := 0.30.0 0.31.0
 
-.PHONY: venv test test-fast test-sglang test-compat compat-venvs lint format bench clean
+.PHONY: venv envs test test-fast test-sglang test-compat lint format bench clean
 
 venv: $(VENV)/.kvscale-installed
 
@@ -68,18 +68,22 @@ test-sglang: venv $(TEST_RULES)/.installed
 	scripts/setup_sglang_venv.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python $(PYTEST) tests/sglang_host
 
-# The older vLLM releases: their venvs are built side by side (pip's cache is shared),
-# then the compat suite runs on both at once; each one's log is printed when both are done.
-compat-venvs:
-	@pids=""; for v in $(COMPAT_VLLM); do \
-	  scripts/setup_vllm_compat_venv.sh $$v > build/compat-venv-$$v.log 2>&1 & pids="$$pids $$!"; \
+# Every venv the tests need, built side by side (pip's cache is shared; each setup is
+# idempotent and returns at once when up to date): .venv, .venv-sglang and one venv per
+# older vLLM release. Each one's log is in build/setup-*.log.
+envs:
+	@mkdir -p build; pids=""; \
+	$(MAKE) --no-print-directory venv > build/setup-venv.log 2>&1 & pids="$$pids $$!"; \
+	scripts/setup_sglang_venv.sh $(SGLANG_VENV) > build/setup-sglang.log 2>&1 & pids="$$pids $$!"; \
+	for v in $(COMPAT_VLLM); do \
+	  scripts/setup_vllm_compat_venv.sh $$v > build/setup-vllm-$$v.log 2>&1 & pids="$$pids $$!"; \
 	done; rc=0; for p in $$pids; do wait $$p || rc=1; done; \
-	for v in $(COMPAT_VLLM); do tail -n 3 build/compat-venv-$$v.log; done; \
-	if [ $$rc -ne 0 ]; then cat build/compat-venv-*.log; exit 1; fi
+	for f in build/setup-*.log; do echo "== $$f"; tail -n 2 $$f; done; \
+	if [ $$rc -ne 0 ]; then cat build/setup-*.log; exit 1; fi
 
-test-compat: venv
-	mkdir -p build
-	$(MAKE) compat-venvs
+# The compat suite on the older vLLM releases, on both at once; each log is printed when
+# both are done.
+test-compat: envs
 	@pids=""; for v in $(COMPAT_VLLM); do \
 	  .venv-vllm-$$v/bin/python $(PYTEST) tests/compat/test_vllm_release.py \
 	    > build/compat-test-$$v.log 2>&1 & pids="$$pids $$!"; \
@@ -87,7 +91,7 @@ test-compat: venv
 	for v in $(COMPAT_VLLM); do echo "== compat suite on vLLM $$v"; tail -n 25 build/compat-test-$$v.log; done; \
 	exit $$rc
 
-test: venv lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed test-sglang test-compat
+test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed test-sglang test-compat
 	$(PY) $(PYTEST)
 
 test-fast: venv $(TEST_RULES)/.installed

@@ -41,7 +41,7 @@ def pytest_report_header(config: object) -> list[str]:
         if os.path.isdir(TEST_RULES)
         else ("MISSING (run `make test` or `make test-fast` to install it)")
     )
-    lines = [f"kvscale test rule package: {where}"]
+    lines = [f"kvscale test rule package: {where}", _fp8_header()]
     if not _HAVE_SGLANG:
         lines.append(
             "tests/sglang_host excluded: no SGLang here; `make test-sglang` runs it in .venv-sglang"
@@ -98,3 +98,37 @@ def kvscale_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], list[s
         ]
 
     return matching
+
+
+# vLLM's CPU attention runs an FP8 KV cache only on x86 with AVX-512 or AMX; on other CPUs
+# it refuses one ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX"), after the model
+# and its KV scales loaded. On such a CPU, a test that fails with exactly that refusal is
+# reported as skipped, naming the reason: no test here can run an FP8 cache on it. Any
+# other failure stays a failure, and on a CPU with AVX-512 / AMX nothing is converted.
+def _cpu_runs_fp8_cache() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+CPU_FP8 = _cpu_runs_fp8_cache()
+FP8_CPU_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+FP8_SKIP_REASON = (
+    "this CPU has neither AVX-512 nor AMX: vLLM's CPU attention refuses an FP8 KV cache "
+    "here (the test needs one)"
+)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report = outcome.get_result()
+    if CPU_FP8 or not report.failed or FP8_CPU_REFUSAL not in str(report.longrepr):
+        return
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {FP8_SKIP_REASON}")
+
+
+def _fp8_header() -> str:
+    """One header line: whether this CPU runs the FP8 cache tests."""
+    return "CPU FP8 KV cache: " + ("runs (AVX-512 or AMX)" if CPU_FP8 else FP8_SKIP_REASON)

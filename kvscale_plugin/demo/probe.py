@@ -80,9 +80,16 @@ def vllm_engine(
         **ENGINE_DEFAULTS,
     )
     kwargs.update(extra)
+    configs = _record_engine_configs()
     try:
         llm = LLM(**kwargs)
-    except BaseException:
+    except BaseException as exc:
+        # vLLM refuses some caches (an FP8 cache on a CPU without AVX-512 / AMX) only
+        # after the model and its KV scales loaded: keep what the layers hold for the
+        # caller (``exc.kvscale_loaded_scales``), read before the teardown below.
+        if configs:
+            context = configs[-1].compilation_config.static_forward_context
+            exc.kvscale_loaded_scales = context_layer_scales(context)  # type: ignore[attr-defined]
         # A half-built engine leaves vLLM's distributed state behind: the next MoE engine
         # in this process would then fail ("expert parallel group is not initialized").
         from vllm.distributed import cleanup_dist_env_and_memory
@@ -108,6 +115,36 @@ def shutdown(llm: Any) -> None:
     cleanup_dist_env_and_memory()
 
 
+def _record_engine_configs() -> list[Any]:
+    """The configs of engines built from here on in this process (one wrapper, kept)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    seen: list[Any] | None = getattr(original, "kvscale_seen", None)
+    if seen is None:
+        seen = []
+
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            config = original(self, *args, **kwargs)
+            del seen[:-1]
+            seen.append(config)
+            return config
+
+        create_engine_config.kvscale_seen = seen  # type: ignore[attr-defined]
+        EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    seen.clear()
+    return seen
+
+
+def cpu_runs_fp8_cache() -> bool:
+    """Whether vLLM's CPU attention can run an FP8 KV cache here (x86 AVX-512 or AMX)."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+#: vLLM's refusal of an FP8 KV cache on a CPU without AVX-512 / AMX.
+FP8_CPU_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+
+
 def attention_layers(llm: Any) -> dict[str, torch.nn.Module]:
     ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
     return {name: layer for name, layer in ctx.items() if hasattr(layer, "_k_scale")}
@@ -115,8 +152,17 @@ def attention_layers(llm: Any) -> dict[str, torch.nn.Module]:
 
 def layer_scales(llm: Any) -> dict[str, LayerScales]:
     """Per-layer scales as the engine holds them (device tensor, float, CPU copy)."""
+    return context_layer_scales(
+        llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    )
+
+
+def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
+    """``layer_scales`` of an engine's static forward context (also one that failed)."""
     out = {}
-    for name, layer in attention_layers(llm).items():
+    for name, layer in context.items():
+        if not hasattr(layer, "_k_scale"):
+            continue
         cache = layer.kv_cache
         if isinstance(cache, (list, tuple)):
             cache = cache[0] if cache else None

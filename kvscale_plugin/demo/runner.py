@@ -145,7 +145,7 @@ def run_comparison(
     extra: dict[str, Any] | None = None,
 ) -> list[EngineResult]:
     """Reference run on ``reference_dir`` (bf16 cache), then every variant x engine."""
-    from kvscale_plugin.demo.probe import logprob_error
+    from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, layer_index, logprob_error
 
     extra = extra or {}
     ids = _token_ids(reference_dir)
@@ -165,12 +165,22 @@ def run_comparison(
             try:
                 logprobs, info = _run_engine(path, quant, dtype, ids, extra)
             except Exception as exc:  # noqa: BLE001 - a refusal to start is a result here
+                cpu_refused = FP8_CPU_REFUSAL in str(exc)
+                loaded = sorted(
+                    getattr(exc, "kvscale_loaded_scales", {}).values() if cpu_refused else (),
+                    key=lambda s: layer_index(s.name),
+                )
                 results.append(
                     EngineResult(
                         variant,
                         engine,
                         started=False,
                         error=_short_error(exc),
+                        # What the engine loaded before it refused (an FP8 cache on a CPU
+                        # without AVX-512 / AMX is refused after loading).
+                        k_scales=[s.k for s in loaded],
+                        v_scales=[s.v for s in loaded],
+                        cache_dtype="fp8" if loaded else None,
                         seconds=time.perf_counter() - t0,
                     )
                 )
@@ -222,6 +232,13 @@ def render_table(results: list[EngineResult]) -> str:
         head += f"{'ppl':>10}{'top-1':>8}"
     lines = [head, "-" * len(head)]
     for r, kc, vc in zip(results, k_cells, v_cells, strict=True):
+        if not r.started and r.k_scales:
+            # Loaded, then refused by this CPU: the scales are real, no logprobs.
+            lines.append(
+                f"{r.variant:<{vaw}}{r.engine:<11}{(r.cache_dtype or '?') + '*':<10}{kc:<{kw}}"
+                f"{vc:<{vw}}{'-':>10}{'-':>10}"
+            )
+            continue
         if not r.started:
             lines.append(f"{r.variant:<{vaw}}{r.engine:<11}refused to start: {r.error}")
             continue
@@ -404,6 +421,8 @@ def _report(
         file=out,
     )
     print(render_table(results), file=out)
+    if any(not r.started and r.k_scales for r in results):
+        print(CPU_FP8_NOTE, file=out)
     if real:
         print(REAL_NOTE, file=out)
     png = write_plot(results, args.out)
@@ -414,6 +433,11 @@ def _report(
     log("done")
     return 0
 
+
+CPU_FP8_NOTE = """
+* this CPU has neither AVX-512 nor AMX: vLLM's CPU build loads the model and its KV scales
+  (shown: read from the engine's layers), then refuses to run an FP8 KV cache. The scale
+  columns compare stock and kvscale; the logprob columns need an AVX-512 / AMX CPU or a GPU."""
 
 REAL_NOTE = """
 SmolLM2's K/V maxima (K 10-25, V 0.6-20 per layer) sit far below FP8's 448, so scale 1.0

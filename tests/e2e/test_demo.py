@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, cpu_runs_fp8_cache
+
 pytestmark = pytest.mark.engine
 
 
@@ -49,7 +51,14 @@ def test_demo_table_shows_stock_vs_kvscale(tmp_path):
     ours, stock = rows["kv_scale-only", "kvscale"], rows["kv_scale-only", "stock-fp8"]
     assert stock["v_scales"] == [1.0, 1.0, 1.0]
     assert ours["k_scales"] == ours["v_scales"] == pytest.approx(ks, rel=1e-6)
-    assert ours["mean_err"] * 2 < stock["mean_err"] and ours["mean_err"] < 0.03
+    if cpu_runs_fp8_cache():
+        assert ours["mean_err"] * 2 < stock["mean_err"] and ours["mean_err"] < 0.03
+    else:
+        # Loaded (the scales above come from the engine's layers), then refused by vLLM on
+        # this CPU: the demo says why and shows no logprobs.
+        for row in (ours, stock):
+            assert FP8_CPU_REFUSAL in row["error"] and row["mean_err"] is None, row
+        assert "this CPU has neither AVX-512 nor AMX" in proc.stdout
 
     table = proc.stdout[proc.stdout.index("variant ") :]
     assert len([ln for ln in table.splitlines() if ln.startswith("kv_scale-only ")]) == 2
@@ -153,6 +162,11 @@ def test_table_summarizes_many_layers_and_keeps_few():
     assert len(widths) == 1  # header, rule and rows line up
 
 
+@pytest.mark.skipif(
+    not cpu_runs_fp8_cache(),
+    reason="this CPU has neither AVX-512 nor AMX: vLLM refuses the FP8 cache whose "
+    "perplexity this pipeline compares",
+)
 def test_demo_real_pipeline(monkeypatch, tiny, tmp_path, capsys):
     # The --real orchestration (fetch, calibrate, output_scale variant, six engines, table,
     # plot, JSON) on a plain tiny model standing in for SmolLM2 to keep it fast; SmolLM2

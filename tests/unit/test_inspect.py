@@ -32,6 +32,8 @@ TOP_LEVEL_KEYS = {
     "kvscale_version",
     "model_dir",
     "host",
+    "host_version",
+    "host_note",
     "model_type",
     "num_hidden_layers",
     "attention_layers",
@@ -420,12 +422,37 @@ def test_assumed_defaults(tiny, capsys):
 # ------------------------------------------------------------------ hosts and hooks
 
 
+def test_host_release_installed_named_and_untested(tiny, capsys):
+    from kvscale_plugin.inspection.hostversion import installed_version
+
+    model = tiny("default")
+    installed = installed_version("vllm")
+    status, data = _inspect(capsys, model)
+    assert status == 0 and data["host_version"] == installed
+    assert data["stock"]["engine"] == f"vllm {installed}"
+    assert "tested with kvscale (run)" in data["host_note"], data["host_note"]
+
+    status, data = _inspect(capsys, model, host="vllm==0.33.0")
+    assert data["host_version"] == "0.33.0" and data["stock"]["engine"] == "vllm 0.33.0"
+    assert "(named): every internal kvscale touches checked in its sources" in data["host_note"]
+
+    status, data = _inspect(capsys, model, host="vllm==0.29.0")
+    assert "not a release kvscale was tested with" in data["host_note"]
+    assert "model vllm 0.32.0" in data["host_note"]
+
+
+def test_unknown_host_is_unusable_input(tiny, capsys):
+    assert run_inspect(str(tiny("default")), host="tgi") == 2
+    assert "unknown host 'tgi'" in capsys.readouterr().err
+
+
 def test_sglang_host(tiny, capsys):
     model = tiny(
         "inspect_qwen3_qkv", family="qwen3", num_layers=2, naming="qkv_proj", scales=SCALES
     )
     status, data = _inspect(capsys, model, host="sglang")
-    assert status == 0 and data["host"] == "sglang" and data["stock"]["engine"] == "sglang"
+    assert status == 0 and data["host"] == "sglang"
+    assert data["stock"]["engine"] == "sglang 0.5.23"  # no SGLang here: the modelled one
     row = _layer(data, 1)
     assert row["k"]["tensor"] == "model.layers.1.self_attn.qkv_proj.k_scale"
     assert row["kvscale"]["k"] == 0.5

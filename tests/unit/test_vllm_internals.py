@@ -105,3 +105,13 @@ def test_every_internal_names_a_known_feature_and_purpose():
         assert item.purpose and item.module.startswith("vllm"), item
     # Every feature has at least one required target, checked at registration or lazily.
     assert {i.feature for i in internals.INTERNALS if i.required} == set(internals.FEATURES)
+
+
+def test_the_docs_list_every_internal():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "compatibility.md").read_text()
+    missing = [i.target for i in internals.INTERNALS if f"`{i.target}`" not in doc]
+    assert missing == [], "docs/compatibility.md lacks: " + ", ".join(missing)
+    for feature in internals.FEATURES:
+        assert f"**`{feature}`**" in doc, feature
