@@ -118,7 +118,14 @@ def openai_server(
         deadline = time.monotonic() + ready_s
         while True:
             if proc.poll() is not None:
-                raise AssertionError("server exited:\n" + log_path.read_text()[-3000:])
+                text = log_path.read_text()
+                # The root cause (an engine-core exception) often lies before the tail.
+                causes = list(
+                    dict.fromkeys(ln.strip() for ln in text.splitlines() if "Error: " in ln)
+                )[:6]
+                raise AssertionError(
+                    "server exited:\n" + "\n".join(causes) + "\n...\n" + text[-3000:]
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not ready in {ready_s} s")
             try:
