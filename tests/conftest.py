@@ -106,14 +106,9 @@ def kvscale_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], list[s
 # that fails with exactly one of those refusals is reported as skipped, naming the reason:
 # no test here can run an FP8 cache on it. Any other failure stays a failure, and on a CPU
 # with AVX-512 / AMX nothing is converted.
-def _cpu_runs_fp8_cache() -> bool:
-    import torch
+from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, cpu_runs_fp8_cache  # noqa: E402
 
-    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
-
-
-CPU_FP8 = _cpu_runs_fp8_cache()
-FP8_CPU_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+CPU_FP8 = cpu_runs_fp8_cache()
 # vLLM's own CPU cache-write op (the tests' oracle for kvscale's CPU write) has no FP8 kernel
 # there either: it raises this for an FP8 cache (kv_cache_idx 1).
 FP8_CPU_OP_REFUSAL = ("Unsupported CPU attention configuration", "kv_cache_idx=1")

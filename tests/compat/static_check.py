@@ -64,14 +64,9 @@ class Sources:
             # ``from package import submodule``
             return f"module {module} not found"
         for node in _top_level(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                if node.name == name:
-                    return module, node
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                    return module, node
-            elif isinstance(node, ast.ImportFrom):
+            if _defines(node, name):
+                return module, node
+            if isinstance(node, ast.ImportFrom):
                 if any(alias.name == "*" for alias in node.names):
                     source = _absolute(module, node, self.module_file(module))
                     found = self._in_module(source, name, depth + 1)
@@ -97,13 +92,8 @@ class Sources:
         self, module: str, cls: ast.ClassDef, name: str, depth: int
     ) -> tuple[str, ast.AST] | str:
         for node in cls.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                if node.name == name:
-                    return module, node
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                    return module, node
+            if _defines(node, name):
+                return module, node
         if depth > 12:
             return f"{cls.name}.{name}: class chain too deep"
         for base in cls.bases:
@@ -117,6 +107,16 @@ class Sources:
             if not isinstance(member, str):
                 return member
         return f"{cls.name} has no {name}"
+
+
+def _defines(node: ast.AST, name: str) -> bool:
+    """Whether a statement defines ``name`` (def, class, or assignment to the bare name)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(t, ast.Name) and t.id == name for t in targets)
+    return False
 
 
 def _top_level(tree: ast.Module) -> list[ast.stmt]:

@@ -19,9 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from kvscale_plugin.demo.probe import layer_index, layer_scales, reload_weights, vllm_engine
+from kvscale_plugin.demo.probe import (
+    FP8_CPU_REFUSAL,
+    cpu_runs_fp8_cache,
+    layer_index,
+    layer_scales,
+    reload_weights,
+    vllm_engine,
+)
 from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.scales import CorruptScaleError
@@ -43,8 +49,8 @@ def vllm_version() -> str:
 
 #: vLLM's CPU attention runs an FP8 cache only with AVX-512 or AMX; it refuses one
 #: elsewhere, after the model (and its KV scales) loaded.
-CPU_FP8 = bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
-FP8_REFUSED = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+CPU_FP8 = cpu_runs_fp8_cache()
+FP8_REFUSED = FP8_CPU_REFUSAL
 needs_cpu_fp8 = pytest.mark.skipif(
     not CPU_FP8, reason="this CPU has neither AVX-512 nor AMX: vLLM's CPU FP8 cache cannot run"
 )

@@ -226,39 +226,23 @@ INTERNALS: tuple[Internal, ...] = (
         "reload-check",
         "which layers a reload gave no tensor",
     ),
-    _i(
-        f"{_RELOAD}.inplace",
-        "initialize_layerwise_reload",
-        "reload-check",
-        "call site of reload_weights (vLLM >= 0.32)",
-        params=("model",),
-        required=False,
-    ),
-    _i(
-        f"{_RELOAD}.inplace",
-        "finalize_layerwise_reload",
-        "reload-check",
-        "call site of reload_weights (vLLM >= 0.32)",
-        params=("model",),
-        required=False,
-    ),
-    _i(
-        "vllm.v1.worker.gpu_model_runner",
-        "initialize_layerwise_reload",
-        "reload-check",
-        "call site of reload_weights (vLLM 0.30-0.31)",
-        params=("model",),
-        required=False,
-        lazy=True,
-    ),
-    _i(
-        "vllm.v1.worker.gpu_model_runner",
-        "finalize_layerwise_reload",
-        "reload-check",
-        "call site of reload_weights (vLLM 0.30-0.31)",
-        params=("model",),
-        required=False,
-        lazy=True,
+    # Call sites of reload_weights: ``reload.inplace`` (vLLM >= 0.32) or the model runner,
+    # which binds both functions by name (0.30-0.31; imported later: lazy).
+    *(
+        _i(
+            site,
+            name,
+            "reload-check",
+            f"call site of reload_weights ({since})",
+            params=("model",),
+            required=False,
+            lazy=lazy,
+        )
+        for site, since, lazy in (
+            (f"{_RELOAD}.inplace", "vLLM >= 0.32", False),
+            ("vllm.v1.worker.gpu_model_runner", "vLLM 0.30-0.31", True),
+        )
+        for name in ("initialize_layerwise_reload", "finalize_layerwise_reload")
     ),
     _i(
         "vllm.v1.worker.gpu_worker",
