@@ -3,7 +3,9 @@
 #   make test   - set up .venv (+ .venv-sglang, + .venv-vllm-0.30.0/0.31.0) and run ruff +
 #                 the whole test suite (real vLLM CPU engines, real SGLang modules, the
 #                 compat suite on the older vLLM releases)
-# And a fast loop while developing (no engines, no SGLang venv; under a minute):
+# And a fast loop while developing (under a minute; no engines, no SGLang venv, and none
+# of the tests marked `slow` or `compile`: fresh processes, fuzz budgets, C builds, Triton
+# AOT compiles -- `make test` runs those):
 #   make test-fast
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
@@ -95,7 +97,7 @@ test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed test-sgl
 	$(PY) $(PYTEST)
 
 test-fast: venv $(TEST_RULES)/.installed
-	$(PY) $(PYTEST) -m "not engine and not slow" tests/unit tests/kernels
+	$(PY) $(PYTEST) -m "not engine and not slow and not compile" tests/unit tests/kernels
 
 demo: venv
 	$(VENV)/bin/kvscale demo

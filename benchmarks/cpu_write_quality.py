@@ -82,7 +82,7 @@ def prepare_variants(model_dir: Path, work_dir: Path) -> dict[str, Path]:
     A model that already declares a kv_cache_scheme is used as the calibrated
     variant as it is; otherwise ``kvscale calibrate`` writes one.
     """
-    from kvscale_plugin import calibrate as cal
+    from kvscale_plugin import calibration as cal
 
     work_dir.mkdir(parents=True, exist_ok=True)
     calibrated = model_dir
@@ -121,7 +121,7 @@ def eval_token_chunks(model_dir: Path, max_tokens: int, chunk: int) -> list[list
     """Held-out corpus text, tokenized, cut into chunks of ``chunk`` tokens."""
     from transformers import AutoTokenizer
 
-    from kvscale_plugin.calibrate import builtin_corpus
+    from kvscale_plugin.calibration import builtin_corpus
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids: list[int] = []

@@ -42,6 +42,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# kvscale_testing: the tests' helpers (tests/support), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from cpu_write_quality import default_model, prepare_variants  # noqa: E402
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
@@ -200,7 +202,7 @@ def _timed_generate(llm: Any, prompts: list[dict], max_tokens: int) -> float:
 def _set_write(llm: Any, mode: str) -> None:
     """Switch kvscale layers between kvscale's write and vLLM's (decided per layer on
     its next write)."""
-    from kvscale_plugin.demo.probe import attention_layers
+    from kvscale_testing.engines import attention_layers
 
     os.environ[ENV_VAR] = mode
     for layer in attention_layers(llm).values():
@@ -266,7 +268,9 @@ def _record(samples: dict[str, list[dict]], label: str, result: dict) -> None:
 def engines(
     model: Path, cfg: argparse.Namespace, extra_us: dict[int, float], num_layers: int
 ) -> None:
-    from kvscale_plugin.demo.probe import attention_layers, vllm_engine
+    from kvscale_testing.engines import attention_layers
+
+    from kvscale_plugin.demo.probe import vllm_engine
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = torch.Generator().manual_seed(1)

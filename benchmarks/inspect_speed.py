@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 VOCAB = 1024
 

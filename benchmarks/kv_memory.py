@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# kvscale_testing: the tests' helpers (tests/support), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 
 def main() -> None:
@@ -29,8 +32,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvscale-kvmem-"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
 
-    from kvscale_plugin.demo.probe import attention_layers, vllm_engine
-    from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, TinySpec, build_tiny_checkpoint
+    from kvscale_testing.engines import attention_layers
+
+    from kvscale_plugin.demo.probe import vllm_engine
+    from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
+    from kvscale_plugin.scheme import FP8_KV_SCHEME
 
     checkpoints = {
         "tensor": build_tiny_checkpoint(tmp / "tensor", TinySpec(num_layers=2), cache_dir=tmp),

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
     args = parser.parse_args(argv)
 
-    from kvscale_plugin import calibrate as cal
+    from kvscale_plugin import calibration as cal
     from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
     from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
 

@@ -1,23 +1,68 @@
-"""The ``kvscale`` console script: ``kvscale inspect``, ``kvscale calibrate``, ``kvscale demo``."""
+"""The ``kvscale`` console script: ``kvscale inspect``, ``kvscale calibrate``, ``kvscale demo``.
+
+Building the parser imports no torch and no host engine, so ``kvscale --help`` and
+``kvscale inspect`` start fast: the ``demo`` subcommand's arguments (and the torch-based
+modules that define them) are loaded only when ``demo`` is what is being parsed, and
+each command's implementation only when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvscale_plugin import __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose arguments may be added by ``populate`` just before it
+    parses (or prints its help): a subcommand whose arguments live in a heavy module
+    costs nothing until that subcommand is used."""
+
+    def __init__(
+        self,
+        *args: Any,
+        populate: Callable[[argparse.ArgumentParser], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _populated(self) -> _Parser:
+        if self._populate is not None:
+            populate, self._populate = self._populate, None
+            populate(self)
+        return self
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        return super(_Parser, self._populated()).parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        return super(_Parser, self._populated()).format_usage()
+
+    def format_help(self) -> str:
+        return super(_Parser, self._populated()).format_help()
+
+
+def _populate_demo(parser: argparse.ArgumentParser) -> None:
     from kvscale_plugin.demo import runner as demo
+
+    parser.description = demo.__doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    demo.add_arguments(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvscale_plugin.calibration import cli as calibrate_cli
 
     parser = argparse.ArgumentParser(
         prog="kvscale",
         description="Calibrated FP8 KV-cache scales for vLLM and SGLang (kvscale-plugin).",
     )
     parser.add_argument("--version", action="version", version=f"kvscale-plugin {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     inspect = sub.add_parser(
         "inspect",
@@ -41,24 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = sub.add_parser(
         "calibrate",
         help="measure FP8 KV-cache scales with transformers and write a checkpoint with them",
-        description="Run MODEL_DIR with transformers on calibration text, record per "
-        "attention layer (and per KV head for --scheme attn_head) the abs max of the keys "
-        "after rotary embedding and of the values -- exactly what the KV cache stores -- and "
-        "write OUT_DIR: MODEL_DIR's weights (hard-linked or copied), a compressed-tensors "
-        "kv_cache_scheme and self_attn.k_scale / v_scale = amax / 448. MODEL_DIR is never "
-        "modified. Exit status: 0 written, 2 unusable input or existing OUT_DIR.",
+        description=calibrate_cli.DESCRIPTION,
     )
-    from kvscale_plugin import calibrate as calibrate_mod
+    calibrate_cli.add_arguments(calibrate)
 
-    calibrate_mod.add_arguments(calibrate)
-
-    demo_parser = sub.add_parser(
+    # Its arguments and description come from kvscale_plugin.demo.runner, which imports
+    # torch: added when "demo" is parsed (kvscale demo, kvscale demo --help).
+    sub.add_parser(
         "demo",
         help="stock vLLM vs kvscale on real engines, on built-in tiny checkpoints",
-        description=demo.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        populate=_populate_demo,
     )
-    demo.add_arguments(demo_parser)
     return parser
 
 
@@ -69,9 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_inspect(args.model_dir, as_json=args.json, host=args.host)
     if args.command == "calibrate":
-        from kvscale_plugin import calibrate
+        from kvscale_plugin.calibration import cli as calibrate_cli
 
-        return calibrate.run(args)
+        return calibrate_cli.run(args)
     from kvscale_plugin.demo import runner as demo
 
     return demo.run(args)

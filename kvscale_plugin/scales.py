@@ -25,6 +25,8 @@ from enum import Enum
 
 import torch
 
+from kvscale_plugin.fp8 import FLOAT32_MAX, FP8_E4M3_MAX, per_head_shape_ok
+
 #: Value a host's scale placeholder holds until the checkpoint writes it (vLLM's and
 #: SGLang's loaders and dummy loads need *some* number there). Adapters track what
 #: was loaded explicitly and pass ``None`` for "not loaded"; this value is negative,
@@ -71,7 +73,7 @@ class CorruptScaleError(ValueError):
 
 #: Largest usable scale: the cache's largest value (448) times the scale must stay a
 #: finite float32, or dequantizing turns the cache into inf/NaN. No calibration gives one.
-MAX_SCALE = torch.finfo(torch.float32).max / 448.0
+MAX_SCALE = FLOAT32_MAX / FP8_E4M3_MAX
 
 
 def _value_problem(value: float) -> str | None:
@@ -88,11 +90,6 @@ def _value_problem(value: float) -> str | None:
     return None
 
 
-def per_head_shape_ok(shape: Sequence[int], num_heads: int) -> bool:
-    """``[H]``, ``[H, 1, 1]`` (llm-compressor's layout) or any ``[H, 1, ...]``."""
-    return len(shape) >= 1 and shape[0] == num_heads and all(d == 1 for d in shape[1:])
-
-
 def rank_kv_heads(total_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, ...]:
     """The checkpoint KV heads one tensor-parallel rank holds (vLLM's and SGLang's rule):
     partitioned when ``total_kv_heads >= tp_size``, else each head replicated on
@@ -105,41 +102,117 @@ def rank_kv_heads(total_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int,
     return (tp_rank // (tp_size // total_kv_heads),)
 
 
-def scale_problems(
+@dataclass(frozen=True)
+class ScaleProblem:
+    """Why one scale tensor -- or one head of it -- cannot be served."""
+
+    tensor: str  # the tensor's name, as the loader knows it
+    why: str
+    head: int | None = None  # the bad element of a per-head tensor; None: the whole tensor
+    note: str = ""  # where it was loaded, when the name alone does not say (an MTP draft)
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``tensor``, ``tensor[head i]``, plus ``(note)``."""
+        head = f"[head {self.head}]" if self.head is not None else ""
+        return f"{self.tensor}{head}" + (f" ({self.note})" if self.note else "")
+
+
+def scale_problem_records(
     name: str, value: torch.Tensor | float, *, num_heads: int | None = None
-) -> dict[str, str]:
+) -> list[ScaleProblem]:
     """Every reason the loaded ``value`` of tensor ``name`` cannot be served.
 
     ``num_heads=None``: a per-tensor scalar is expected. ``num_heads=H``: one
-    scale per KV head, shaped ``[H]`` or ``[H, 1, 1]``. Keys are ``name`` (for
-    dtype/shape problems) or ``name[head i]`` (for a bad element). Empty = usable.
+    scale per KV head, shaped ``[H]`` or ``[H, 1, 1]``. A dtype/shape problem is
+    the whole tensor's (``head=None``); a bad element names its head. Empty = usable.
     """
+
+    def whole(why: str | None) -> list[ScaleProblem]:
+        return [ScaleProblem(name, why)] if why is not None else []
+
     if not isinstance(value, torch.Tensor):
-        why = _value_problem(float(value))
-        return {name: why} if why is not None else {}
+        return whole(_value_problem(float(value)))
     if not value.is_floating_point():
-        return {name: f"dtype {value.dtype} is not a float scale (expected float32/bf16/fp16)"}
+        return whole(f"dtype {value.dtype} is not a float scale (expected float32/bf16/fp16)")
     shape = tuple(value.shape)
     if num_heads is None:
         if value.numel() != 1:
-            return {
-                name: f"shape {shape} is not a per-tensor scalar (the kv_cache_scheme says "
+            return whole(
+                f"shape {shape} is not a per-tensor scalar (the kv_cache_scheme says "
                 "strategy 'tensor'; per-head scales need strategy 'attn_head')"
-            }
-        why = _value_problem(float(value.detach().float().reshape(()).item()))
-        return {name: why} if why is not None else {}
+            )
+        return whole(_value_problem(float(value.detach().float().reshape(()).item())))
     if not per_head_shape_ok(shape, num_heads):
-        return {
-            name: f"shape {shape} does not match the model's {num_heads} KV heads "
+        return whole(
+            f"shape {shape} does not match the model's {num_heads} KV heads "
             f"(strategy 'attn_head' expects [{num_heads}, 1, 1] or [{num_heads}])"
-        }
+        )
     values = value.detach().float().reshape(-1).tolist()
-    problems = {}
-    for head, element in enumerate(values):
-        why = _value_problem(element)
-        if why is not None:
-            problems[f"{name}[head {head}]"] = why
-    return problems
+    return [
+        ScaleProblem(name, why, head)
+        for head, element in enumerate(values)
+        if (why := _value_problem(element)) is not None
+    ]
+
+
+def scale_problems(
+    name: str, value: torch.Tensor | float, *, num_heads: int | None = None
+) -> dict[str, str]:
+    """``scale_problem_records`` as ``{label: why}``: keys are ``name`` (dtype/shape
+    problems) or ``name[head i]`` (a bad element). Empty = usable."""
+    return {p.label: p.why for p in scale_problem_records(name, value, num_heads=num_heads)}
+
+
+class CorruptScales:
+    """The corrupt scale tensors one engine's load cycle found, kept by tensor and head
+    until the cycle ends (reported together, in one error)."""
+
+    def __init__(self) -> None:
+        self._records: dict[tuple[str, int | None], ScaleProblem] = {}
+
+    def add(self, problems: Iterable[ScaleProblem]) -> None:
+        for problem in problems:
+            self._records[(problem.tensor, problem.head)] = problem
+
+    def forget(self, tensor: str) -> None:
+        """Drop what an earlier load said about ``tensor`` (and each of its heads)."""
+        for key in [k for k in self._records if k[0] == tensor]:
+            del self._records[key]
+
+    def forget_under(self, prefix: str) -> None:
+        """Drop every record of a tensor named ``prefix.<something>`` (one layer's)."""
+        for key in [k for k in self._records if k[0].startswith(prefix + ".")]:
+            del self._records[key]
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    def refile(self, tensor: str, as_tensor: str, *, note: str = "") -> None:
+        """Name ``tensor``'s records ``as_tensor`` (with ``note``): e.g. the checkpoint's
+        name for what a loader recorded under an engine-side name."""
+        for key in [k for k in self._records if k[0] == tensor]:
+            old = self._records.pop(key)
+            self.add([ScaleProblem(as_tensor, old.why, old.head, note)])
+
+    def records(self) -> list[ScaleProblem]:
+        return list(self._records.values())
+
+    def update(self, other: CorruptScales) -> None:
+        self.add(other.records())
+
+    def __bool__(self) -> bool:
+        return bool(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def as_mapping(self) -> dict[str, str]:
+        return {p.label: p.why for p in self._records.values()}
+
+    def message(self) -> str:
+        """The error text naming every corrupt tensor (``format_corrupt_scales``)."""
+        return format_corrupt_scales(self.as_mapping())
 
 
 def scale_problem(value: torch.Tensor | float, *, num_heads: int | None = None) -> str | None:

@@ -15,6 +15,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # kvscale's compiled CPU FP8 write is built from its C source in this run (as on a
 # fresh machine), never taken from the user's cache.
 os.environ.setdefault("KVSCALE_NATIVE_DIR", os.path.join(_ROOT, "native"))
+# Nothing the tests run (this process or the ones it starts) writes into the user's home:
+# what defaults to ~/.cache ($XDG_CACHE_HOME: Hugging Face, pip, matplotlib, torch hub,
+# kvscale's own caches), matplotlib's ~/.config folder and Triton's ~/.triton (the AOT
+# compile tests) live in the private folder too. Set, not defaulted: a user's own value
+# points into the user's cache as well.
+os.environ["XDG_CACHE_HOME"] = os.path.join(_ROOT, "cache")
+os.environ["HF_HOME"] = os.path.join(_ROOT, "cache", "huggingface")
+os.environ["MPLCONFIGDIR"] = os.path.join(_ROOT, "matplotlib")
+os.environ["TRITON_HOME"] = _ROOT
+os.environ.pop("TRITON_CACHE_DIR", None)  # under TRITON_HOME
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
@@ -106,7 +116,9 @@ def kvscale_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], list[s
 # that fails with exactly one of those refusals is reported as skipped, naming the reason:
 # no test here can run an FP8 cache on it. Any other failure stays a failure, and on a CPU
 # with AVX-512 / AMX nothing is converted.
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, cpu_runs_fp8_cache  # noqa: E402
+from kvscale_testing.engines import cpu_runs_fp8_cache  # noqa: E402
+
+from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL  # noqa: E402
 
 CPU_FP8 = cpu_runs_fp8_cache()
 # vLLM's own CPU cache-write op (the tests' oracle for kvscale's CPU write) has no FP8 kernel

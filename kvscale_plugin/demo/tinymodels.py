@@ -1,9 +1,15 @@
-"""Tiny compressed-tensors checkpoints built locally (no downloads), for tests and the demo.
+"""Tiny compressed-tensors checkpoints built locally (no downloads): what ``kvscale demo``
+runs on by default.
 
 The model is "boosted but compensated": ``k_proj`` / ``v_proj`` are multiplied
 by ``boost`` and ``q_proj`` / ``o_proj`` divided by it, so the bf16 outputs are
 unchanged while K/V values reach ~1,000 -- beyond FP8 e4m3's 448. An FP8 cache
 then stays close to the bf16 reference only when the calibrated scales are used.
+
+``TinySpec`` covers every checkpoint shape kvscale loads -- the families in ``FAMILIES``
+and ``MTP_FAMILIES``, the scale namings in ``NAMINGS``, per-head scales, shards -- so
+that a user can build one to try (``build_tiny_checkpoint(dir, TinySpec(...))``); the
+demo's built-in variants use a few Llama ones.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvscale_plugin.scheme import FP8_KV_SCHEME  # noqa: E402,F401 - re-exported for tests
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -212,8 +218,9 @@ def build_tiny_checkpoint(
 ) -> Path:
     """Write a tiny compressed-tensors checkpoint to ``out_dir`` and return its path.
 
-    Also writes ``kvscale_tiny.json`` with the scales that were stored (per layer),
-    so tests and the demo can compare what an engine loaded against it.
+    Also writes ``kvscale_tiny.json``: the scales that were stored (per layer and per MTP
+    layer) and the calibrated ones, to compare what an engine loaded against; the demo
+    takes its presence as "this checkpoint is built".
     """
     import transformers
     from safetensors.torch import save_file
@@ -484,25 +491,3 @@ def _calibrate(model: Any, tokenizer: Any, *, per_head: bool = False) -> dict[in
         return values if per_head else max(values)
 
     return {i: (scale(k, 1.4142), scale(v, 1.0)) for i, (k, v) in amax.items()}
-
-
-def read_stored_scales(model_dir: str | os.PathLike[str]) -> dict[int, dict[str, float]]:
-    """The per-layer k/v scales ``build_tiny_checkpoint`` stored."""
-    meta = json.loads((Path(model_dir) / "kvscale_tiny.json").read_text())
-    return {int(i): v for i, v in meta["stored_scales"].items()}
-
-
-def read_stored_mtp_scales(model_dir: str | os.PathLike[str]) -> dict[int, dict[str, float]]:
-    """The k/v scales ``build_tiny_checkpoint`` stored per MTP layer (counted from 0)."""
-    meta = json.loads((Path(model_dir) / "kvscale_tiny.json").read_text())
-    return {int(i): v for i, v in meta.get("stored_mtp_scales", {}).items()}
-
-
-def reference_token_ids(model_dir: str | os.PathLike[str]) -> Sequence[int]:
-    """Token ids of ``REFERENCE_TEXT`` under the checkpoint's tokenizer."""
-    import transformers
-
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(Path(model_dir) / "tokenizer.json")
-    )
-    return tok(REFERENCE_TEXT)["input_ids"]

@@ -37,7 +37,6 @@ from kvscale_plugin.inspection.tensors import (
     zero_point_value,
 )
 from kvscale_plugin.names import map_scale_name
-from kvscale_plugin.scales import ScaleSource, resolve_kv_scales
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
 
 
@@ -274,6 +273,8 @@ def _row_template(rows: Iterable[LayerRow]) -> str:
 
 def _judge_rows(layers: list[LayerRow], verdict: SchemeVerdict, heads: Heads | None) -> None:
     """Each row's problem codes and kvscale's view (the adapters' path)."""
+    from kvscale_plugin.scales import ScaleSource, resolve_kv_scales  # torch: on use
+
     for row in layers:
         slots = [t for t in (row.k, row.v, row.q, *row.extra) if t is not None]
         row.problems = sorted({p.code for t in slots for p in t.problems})

@@ -14,7 +14,7 @@ value is broadcast to every head, 2..H-1 (or 0) values is a RuntimeError at
 start-up; ``_k_scale_float`` is the max over heads; without ``config_groups`` in
 the quantization_config vLLM passes no head counts to that loader and start-up fails.
 
-``--host sglang`` (SGLang 0.5.23) restates public reports (README feature table)
+``--host sglang`` (SGLang 0.5.23) restates public reports (docs/features.md)
 and says "unverified" where none exists (every per-head layer, except loaders that
 drop the scales by name). The FP8-fnuz (ROCm MI300) x2 is not shown: values are as
 on other platforms.
@@ -93,7 +93,7 @@ def stock_summary(
 ) -> tuple[str, str, str, str]:
     """(engine, outcome, summary, basis) of the unmodified host for the whole checkpoint."""
     if host == "sglang":
-        engine, basis = "sglang", "public reports (README feature table); not run here"
+        engine, basis = "sglang", "public reports (docs/features.md); not run here"
         if heads is not None:
             basis += "; per-head (attn_head) loading not verified"
     else:
@@ -256,7 +256,7 @@ def _vllm_layer(row: LayerRow, heads: Heads | None) -> LayerView:
 
 
 def _sglang_layer(row: LayerRow, model_type: str | None, per_head: bool) -> LayerView:
-    # Public reports only (SGLang #39942, qwen3.py without quant_config; README table).
+    # Public reports only (SGLang #39942, qwen3.py without quant_config; docs/features.md).
     if row.mtp or not row.known:
         return LayerView(None, None, "unverified", "MTP / unknown layer: no report")
     namings = {t.naming for t in (row.k, row.v) if t is not None}

@@ -12,8 +12,10 @@ import math
 import re
 
 from kvscale_plugin.checkpoint import MAX_DECODE_ELEMENTS, Checkpoint, TensorInfo
+from kvscale_plugin.fp8 import per_head_shape_ok
 from kvscale_plugin.inspection.records import Naming, TensorProblem
-from kvscale_plugin.scales import per_head_shape_ok, scale_problems
+
+# kvscale_plugin.scales (and with it torch) is imported only where a tensor is judged.
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 #: Dtypes whose elements are real numbers (decoded to show their values). Not: the
@@ -60,6 +62,8 @@ def shape_problem(name: str, shape: tuple[int, ...], heads: int | None) -> str |
         return None
     import torch
 
+    from kvscale_plugin.scales import scale_problems
+
     meta = torch.empty(shape, dtype=torch.float32, device="meta")
     return scale_problems(name, meta, num_heads=heads).get(name)
 
@@ -86,6 +90,8 @@ def decode(
         problems.append(TensorProblem("malformed_shape", shape_why))
     if info.dtype not in DECODABLE or info.numel > MAX_DECODE_ELEMENTS:
         return None, None, problems
+    from kvscale_plugin.scales import scale_problems
+
     tensor = ckpt.read_tensor(info)
     values = tuple(float(x) for x in tensor.detach().double().reshape(-1).tolist())
     value = values[0] if len(values) == 1 else None

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-FP8_E4M3_MAX = 448.0
+from kvscale_plugin.fp8 import FP8_E4M3_MAX
 
 #: Cache layouts this module writes (named after vLLM's CPU attention ISA strings).
 LAYOUTS = ("vec",)

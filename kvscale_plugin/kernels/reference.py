@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_E4M3_MAX = 448.0
+from kvscale_plugin.fp8 import FP8_E4M3_MAX
 
 
 def quantize_e4m3_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

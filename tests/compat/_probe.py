@@ -23,9 +23,12 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# kvscale_testing (tests/support): a fresh interpreter, outside pytest.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 SIMULATED_MODULE = "vllm.kvscale_simulated_moved_module"
 
@@ -105,8 +108,9 @@ def main() -> None:
     logging.getLogger("kvscale_plugin").addHandler(collect)
     _simulate(args.get("simulate"))
 
+    from kvscale_testing.checkpoints import reference_token_ids
+
     from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
-    from kvscale_plugin.demo.tinymodels import reference_token_ids
 
     result: dict[str, Any] = {"started": False, "error": None}
     ids = reference_token_ids(args["model"])

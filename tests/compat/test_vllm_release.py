@@ -19,18 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvscale_testing.checkpoints import read_stored_scales
+from kvscale_testing.engines import cpu_runs_fp8_cache, reload_weights
 
 from kvscale_plugin.demo.probe import (
     FP8_CPU_REFUSAL,
-    cpu_runs_fp8_cache,
     layer_index,
     layer_scales,
-    reload_weights,
     vllm_engine,
 )
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.scales import CorruptScaleError
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 pytestmark = pytest.mark.engine
 HERE = Path(__file__).parent

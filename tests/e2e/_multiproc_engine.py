@@ -5,17 +5,18 @@ installed entry point. Prints one JSON line."""
 import json
 import os
 import sys
+from pathlib import Path
 
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # kvscale_testing (tests/support): a fresh interpreter, outside pytest. Worker
+    # processes inherit this sys.path, so they can unpickle the apply_model target.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+    from kvscale_testing.engines import model_kv_head_scales, model_kv_scales
     from vllm import LLM, SamplingParams
 
-    from kvscale_plugin.demo.probe import (
-        ENGINE_DEFAULTS,
-        model_kv_head_scales,
-        model_kv_scales,
-    )
+    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
     model_dir, ids = sys.argv[1], json.loads(sys.argv[2])
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1

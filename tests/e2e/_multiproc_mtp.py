@@ -10,13 +10,18 @@ Usage: _multiproc_mtp.py MODEL_DIR TP
 import json
 import os
 import sys
+from pathlib import Path
 
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # kvscale_testing (tests/support): a fresh interpreter, outside pytest. Worker
+    # processes inherit this sys.path, so they can unpickle the collective_rpc target.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+    from kvscale_testing.engines import worker_kv_head_scales
     from vllm import LLM, SamplingParams
 
-    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS, worker_kv_head_scales
+    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
     llm = LLM(
         model=sys.argv[1],

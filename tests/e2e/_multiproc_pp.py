@@ -12,15 +12,20 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # One NUMA node here: let the CPU workers share it.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # kvscale_testing (tests/support): a fresh interpreter, outside pytest. Worker
+    # processes inherit this sys.path, so they can unpickle the apply_model target.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+    from kvscale_testing.engines import model_kv_scales
     from vllm import LLM, SamplingParams
 
-    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS, model_kv_scales
+    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
     model_dir, ids, mode, size = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     parallel = {"pipeline_parallel_size": size} if mode == "pp" else {"data_parallel_size": size}

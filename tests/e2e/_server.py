@@ -2,6 +2,15 @@
 
 The plugin is found through its installed entry point. The server always stops when
 the ``with`` block ends (terminate, wait, kill), whatever happened inside it.
+
+Ports: vLLM's server binds the port it is given (with ``--port 0`` it binds a free one,
+but logs "Starting vLLM server on http://127.0.0.1:0": the port it got is not reported),
+so a free port is picked here, and another process can take it before the server binds
+it. A server that lost its port exits with "Address already in use" (from its own bind
+or listen, or from a port vLLM picked itself for its data-parallel or distributed
+processes); it is started again on a fresh port, a bounded number of times. A server
+only counts as ready once ``/v1/models`` serves this model: a ``/health`` answer from
+another process that holds the port is not ours.
 """
 
 from __future__ import annotations
@@ -21,11 +30,23 @@ from typing import Any
 
 from kvscale_plugin.demo.probe import KV_CACHE_BYTES
 
+#: What a process that lost a port race logs: Python's ``OSError`` (EADDRINUSE, "[Errno
+#: 98] Address already in use"), torch's TCPStore and ZMQ say it in the same words.
+ADDRESS_IN_USE = "address already in use"
+#: Starts on fresh ports before a lost port race counts as a failure.
+PORT_ATTEMPTS = 3
+
 
 def free_port() -> int:
+    """A port that was free a moment ago: a candidate only (see the module docstring)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def lost_port_race(text: str) -> bool:
+    """Whether a failed process's output says a port it bound was taken."""
+    return ADDRESS_IN_USE in text.lower()
 
 
 @dataclass
@@ -72,16 +93,8 @@ class Server:
         return [float(e[str(t)]["logprob"]) for t, e in zip(ids[1:], entries[1:], strict=True)]
 
 
-@contextmanager
-def openai_server(
-    model_dir: Path,
-    tmp_path: Path,
-    extra: Sequence[str] = (),
-    env: dict[str, str] | None = None,
-    ready_s: float = 240,
-) -> Iterator[Server]:
-    port = free_port()
-    cmd = [
+def _command(model_dir: Path, port: int, extra: Sequence[str]) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -106,40 +119,79 @@ def openai_server(
         "0",
         *extra,
     ]
+
+
+def _serves_this_model(server: Server) -> bool:
+    """``/health`` answers 200 and ``/v1/models`` lists this model (not another server's)."""
+    try:
+        with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
+            if r.status != 200:
+                return False
+        with urllib.request.urlopen(f"{server.url}/v1/models", timeout=5) as r:
+            models = json.loads(r.read())
+    except (OSError, ValueError):
+        return False
+    return any(m.get("id") == server.model for m in models.get("data", []))
+
+
+def _wait_ready(proc: subprocess.Popen, server: Server, ready_s: float) -> bool:
+    """True once the server serves; False if it exited having lost its port; otherwise
+    (another exit, no answer in ``ready_s``) an AssertionError with the log's causes."""
+    deadline = time.monotonic() + ready_s
+    while True:
+        if proc.poll() is not None:
+            text = server.log.read_text()
+            if lost_port_race(text):
+                return False
+            # The root cause (an engine-core exception) often lies before the tail.
+            errors = (ln.strip() for ln in text.splitlines() if "Error: " in ln)
+            causes = list(dict.fromkeys(errors))[:6]
+            raise AssertionError("server exited:\n" + "\n".join(causes) + "\n...\n" + text[-3000:])
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not ready in {ready_s} s (log: {server.log})")
+        if _serves_this_model(server):
+            return True
+        time.sleep(1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def openai_server(
+    model_dir: Path,
+    tmp_path: Path,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    ready_s: float = 240,
+) -> Iterator[Server]:
     full_env = dict(os.environ)
     full_env["TMPDIR"] = str(tmp_path)
     full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     full_env.update(env or {})
-    log_path = tmp_path / f"server-{port}.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", str(model_dir), log_path)
-    try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            if proc.poll() is not None:
-                text = log_path.read_text()
-                # The root cause (an engine-core exception) often lies before the tail.
-                causes = list(
-                    dict.fromkeys(ln.strip() for ln in text.splitlines() if "Error: " in ln)
-                )[:6]
-                raise AssertionError(
-                    "server exited:\n" + "\n".join(causes) + "\n...\n" + text[-3000:]
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not ready in {ready_s} s")
+    lost: list[str] = []
+    for _ in range(PORT_ATTEMPTS):
+        port = free_port()
+        log_path = tmp_path / f"server-{port}.log"
+        server = Server(f"http://127.0.0.1:{port}", str(model_dir), log_path)
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(
+                _command(model_dir, port, extra), env=full_env, stdout=log, stderr=subprocess.STDOUT
+            )
             try:
-                with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
+                if not _wait_ready(proc, server, ready_s):
+                    lost.append(str(log_path))
+                    continue  # another process took a port: start again on a fresh one
+                yield server
+                return
+            finally:
+                _stop(proc)
+    raise AssertionError(
+        f"server lost its port race {PORT_ATTEMPTS} times ({ADDRESS_IN_USE!r}); logs: {lost}"
+    )

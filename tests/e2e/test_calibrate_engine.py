@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvscale_testing.engines import attention_layers
 
-from kvscale_plugin import calibrate as cal
-from kvscale_plugin.demo.probe import attention_layers, layer_index, layer_scales, vllm_engine
+from kvscale_plugin import calibration as cal
+from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
 from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
 
 pytestmark = pytest.mark.engine

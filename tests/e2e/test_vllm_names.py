@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvscale_testing.checkpoints import read_stored_scales
 
 from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
-from kvscale_plugin.demo.tinymodels import read_stored_scales
 
 pytestmark = pytest.mark.engine
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _run_script import run_script
+from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -21,7 +22,6 @@ from kvscale_plugin.demo.probe import (
     teacher_forced_logprobs,
     vllm_engine,
 )
-from kvscale_plugin.demo.tinymodels import read_stored_scales, reference_token_ids
 
 pytestmark = pytest.mark.engine
 

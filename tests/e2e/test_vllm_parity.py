@@ -8,8 +8,9 @@ import logging
 
 import pytest
 import torch
+from kvscale_testing.engines import attention_layers
 
-from kvscale_plugin.demo.probe import attention_layers, layer_scales, vllm_engine
+from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.hosts.vllm import parity as vllm_parity
 
 pytestmark = pytest.mark.engine

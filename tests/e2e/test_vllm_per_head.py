@@ -12,18 +12,18 @@ import math
 
 import pytest
 from _run_script import run_script
+from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
+from kvscale_testing.engines import attention_layers, reload_weights
 
 from kvscale_plugin.demo.probe import (
-    attention_layers,
     layer_index,
     layer_scales,
     logprob_error,
-    reload_weights,
     teacher_forced_logprobs,
     vllm_engine,
 )
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 from kvscale_plugin.scales import CorruptScaleError
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 pytestmark = pytest.mark.engine
 PER_HEAD = {**FP8_KV_SCHEME, "strategy": "attn_head"}

@@ -25,16 +25,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
+from kvscale_testing.engines import reload_weights
 
 from kvscale_plugin.demo.probe import (
     layer_index,
     layer_scales,
-    reload_weights,
     teacher_forced_logprobs,
     vllm_engine,
 )
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales, reference_token_ids
 from kvscale_plugin.inspection import run_inspect as _run_inspect
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 pytestmark = pytest.mark.engine
 

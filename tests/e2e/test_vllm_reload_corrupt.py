@@ -23,8 +23,9 @@ import math
 import pytest
 import torch
 from _weight_transfer import FileTransfer, in_process_worker
+from kvscale_testing.engines import reload_weights
 
-from kvscale_plugin.demo.probe import layer_scales, reload_weights, vllm_engine
+from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
 
 pytestmark = pytest.mark.engine

@@ -5,9 +5,12 @@ on 127.0.0.1.
 * Each data-parallel engine serves a fixed text (pinned with vLLM's
   ``X-data-parallel-rank`` header) with the teacher-forced logprobs of an in-process
   kvscale engine: both engine cores loaded the checkpoint's scales.
-* A bounded burst (64 completions, 8 at a time, each with a timeout) all succeed with
-  the requested token counts, and the fixed text's logprobs under that load stay within
-  the noise measured on the idle server.
+* A bounded burst (64 completions, 8 at a time, each with a timeout): every request is
+  answered with the requested token count, the fixed text queued among them on each
+  engine still scores like the in-process engine, both engines served, and afterwards
+  the server is healthy and answers again, with no error in its log. Outcomes only: no
+  bound on latency, throughput or on noise measured in the same run (on a 2-core machine
+  those depend on scheduling, not on the plugin).
 
 Only 127.0.0.1 traffic; every loop is bounded; the server stops by itself
 (``_server.openai_server``: terminate, wait, kill).
@@ -17,24 +20,32 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _server import openai_server
+from kvscale_testing.checkpoints import reference_token_ids
 
 from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
-from kvscale_plugin.demo.tinymodels import reference_token_ids
 
 pytestmark = pytest.mark.engine
 
 BURST, CONCURRENCY, TIMEOUT_S = 64, 8, 120
-IDLE_RUNS_PER_RANK = 3
 DP = 2
+# The fixed text, idle or queued among the burst, against the in-process kvscale engine:
+# fixed bounds, not noise measured in the same run. Sharing batches moves a logprob in its
+# last bf16 bits (within 1e-3 in earlier runs of this test); unscaled K/V (scale 1.0) move
+# it by ~0.08, and a request reading another's cache slots by far more.
+IDLE_TOL, LOAD_TOL = 1e-3, 1e-2
 
 
 def _max_dev(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _log_errors(text: str) -> list[str]:
+    """Lines of a server log at vLLM's ERROR level, and Python tracebacks."""
+    return [ln for ln in text.splitlines() if re.search(r"\bERROR\b|Traceback", ln)]
 
 
 def _served_per_engine(metrics: str) -> dict[str, float]:
@@ -47,7 +58,7 @@ def _served_per_engine(metrics: str) -> dict[str, float]:
     return counts
 
 
-def test_data_parallel_server_takes_a_burst_within_idle_noise(tiny, tmp_path):
+def test_data_parallel_server_answers_a_burst_correctly(tiny, tmp_path):
     ckpt = tiny("calibrated", num_layers=3)
     ids = list(reference_token_ids(ckpt))
     rng = random.Random(0)
@@ -60,20 +71,11 @@ def test_data_parallel_server_takes_a_burst_within_idle_noise(tiny, tmp_path):
     with openai_server(
         ckpt, tmp_path, extra=["--data-parallel-size", str(DP)], env=env, ready_s=300
     ) as server:
-        # Idle: the fixed text on each engine, repeatedly, then two at once (unpinned).
-        per_rank = {
-            r: [server.prompt_logprobs(ids, rank=r) for _ in range(IDLE_RUNS_PER_RANK)]
-            for r in range(DP)
-        }
-        with ThreadPoolExecutor(2) as pool:
-            pair = list(pool.map(lambda _: server.prompt_logprobs(ids), range(2)))
-        idle = [run for runs in per_rank.values() for run in runs] + pair
-        base = idle[0]
-        idle_noise = max(_max_dev(run, base) for run in idle)
+        # Idle: the fixed text on each engine (pinned by rank).
+        idle = {r: server.prompt_logprobs(ids, rank=r) for r in range(DP)}
 
-        def complete(job: tuple[list[int], int]) -> tuple[int, int, float]:
+        def complete(job: tuple[list[int], int]) -> tuple[int, dict]:
             prompt, n = job
-            t0 = time.monotonic()
             answer = server.post(
                 "/v1/completions",
                 {
@@ -86,41 +88,47 @@ def test_data_parallel_server_takes_a_burst_within_idle_noise(tiny, tmp_path):
                 },
                 timeout=TIMEOUT_S,
             )
-            return n, len(answer["choices"][0]["token_ids"]), time.monotonic() - t0
+            return n, answer["choices"][0]
 
-        t0 = time.monotonic()
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             burst, loaded = [], []
             for i, job in enumerate(jobs):
                 burst.append(pool.submit(complete, job))
                 if i % 8 == 4:  # the fixed text queued among the burst, each engine in turn
                     rank = (i // 8) % DP
-                    loaded.append(pool.submit(server.prompt_logprobs, ids, TIMEOUT_S, rank))
+                    loaded.append((rank, pool.submit(server.prompt_logprobs, ids, TIMEOUT_S, rank)))
+            # Bounded waits (every loop ends), not a timing assertion.
             results = [f.result(timeout=TIMEOUT_S * 4) for f in burst]
-            under_load = [f.result(timeout=TIMEOUT_S * 4) for f in loaded]
-        wall = time.monotonic() - t0
+            under_load = [(rank, f.result(timeout=TIMEOUT_S * 4)) for rank, f in loaded]
         served = _served_per_engine(server.get_text("/metrics"))
+        # Still healthy after the burst, and still answering.
+        server.get_text("/health")  # raises unless 200
+        after = server.prompt_logprobs(ids)
+        errors = _log_errors(server.log.read_text())
 
     # The same text on an in-process kvscale engine (TP=1, no DP).
     with vllm_engine(ckpt, quantization="kvscale") as llm:
         in_process = teacher_forced_logprobs(llm, ids)
 
-    assert len(results) == BURST
-    for asked, got, _ in results:
-        assert got == asked
-    latencies = sorted(r[2] for r in results)
-    load_dev = max(_max_dev(run, base) for run in under_load)
-    rank_dev = {r: max(_max_dev(run, in_process) for run in runs) for r, runs in per_rank.items()}
+    idle_dev = {r: _max_dev(run, in_process) for r, run in idle.items()}
+    load_dev = {r: 0.0 for r in range(DP)}
+    for rank, run in under_load:
+        load_dev[rank] = max(load_dev[rank], _max_dev(run, in_process))
     print(
-        f"DP={DP} server: requests finished per engine {served}; each engine vs in-process "
-        f"kvscale max |dlogprob| {rank_dev}; burst of {BURST}, {CONCURRENCY} at a time: "
-        f"{wall:.1f} s wall, latency p50 {latencies[BURST // 2]:.2f} s / max "
-        f"{latencies[-1]:.2f} s; idle noise {idle_noise:.2e} over {len(idle)} runs; under "
-        f"load {load_dev:.2e} over {len(under_load)} runs"
+        f"DP={DP} server: requests finished per engine {served}; fixed text vs in-process "
+        f"kvscale max |dlogprob|: idle {idle_dev}, among the burst {load_dev} "
+        f"({len(under_load)} runs), after it {_max_dev(after, in_process):.2e}"
     )
-    # Both engine cores serve with the checkpoint's scales (scale 1.0 would be ~0.08 off).
-    assert all(dev <= 1e-3 for dev in rank_dev.values()), rank_dev
+    # Every burst request answered, with exactly the tokens asked for (ignore_eos).
+    assert len(results) == BURST
+    for asked, choice in results:
+        assert len(choice["token_ids"]) == asked, (asked, choice)
+        assert choice["finish_reason"] == "length", choice
+    # Both engine cores serve with the checkpoint's scales, idle and under load.
+    assert all(dev <= IDLE_TOL for dev in idle_dev.values()), idle_dev
+    assert len(under_load) == BURST // 8 and {r for r, _ in under_load} == set(range(DP))
+    assert all(dev <= LOAD_TOL for dev in load_dev.values()), load_dev
     assert len(served) == DP and all(n > 0 for n in served.values()), served
-    # Under load the fixed text shares batches with other requests: within the idle noise,
-    # with a floor of 1e-3 (a bf16 logprob's last bits) when the idle server is bit-stable.
-    assert load_dev <= max(2 * idle_noise, 1e-3), (idle_noise, load_dev)
+    # The server came through the burst intact.
+    assert _max_dev(after, in_process) <= IDLE_TOL
+    assert not errors, errors[:10]

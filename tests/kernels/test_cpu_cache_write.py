@@ -165,7 +165,10 @@ def native_write(key, value, cache, slots, k_scale, v_scale):
 WRITERS = {"torch": cpu_fp8_cache_write, "c": native_write}
 
 
-@pytest.fixture(params=sorted(WRITERS))
+@pytest.fixture(
+    # "c" builds cpu_fp8_write.c on first use: `make test`, not `make test-fast`.
+    params=[pytest.param(n, marks=pytest.mark.compile) if n == "c" else n for n in sorted(WRITERS)]
+)
 def write(request):
     """kvscale's CPU cache write ``(key, value, cache, slots, k_scale, v_scale)``, once
     per implementation."""
@@ -281,6 +284,7 @@ def test_rejects_what_it_does_not_know():
         cpu_fp8_cache_write(key, value, torch.zeros(2, 2, 32, 128), torch.tensor([0, 1]), 1.0, 1.0)
 
 
+@pytest.mark.slow  # a fresh Python process: `make test`, not `make test-fast`
 def test_importable_without_triton():
     # vLLM's CPU build does not install triton: the CPU write must not need it.
     code = (

@@ -22,6 +22,9 @@ from test_cpu_cache_write import SCALES, contract, random_cache, special_values
 from kvscale_plugin.kernels import cpu_native
 from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_read
 
+# Builds cpu_fp8_write.c with the machine's C compiler: `make test`, not `make test-fast`.
+pytestmark = pytest.mark.compile
+
 
 @pytest.fixture(scope="module")
 def module():

@@ -184,6 +184,7 @@ def test_rounding_ties_and_neighbours(conversion: str) -> None:
     write_and_compare(key, value, base, views, slots, scale(1.0), scale(1.0), conversion)
 
 
+@pytest.mark.slow  # every 16-bit pattern through the interpreter: `make test` only
 @pytest.mark.parametrize("conversion", conversion_paths())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_exhaustive_16_bit_inputs(dtype: torch.dtype, conversion: str) -> None:
@@ -326,6 +327,7 @@ def test_unknown_conversion_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU fallback only exists without a GPU")
+@pytest.mark.slow  # a fresh Python process: `make test`, not `make test-fast`
 def test_cpu_without_interpreter_uses_the_reference() -> None:
     """Outside the interpreter a CPU tensor cannot reach Triton (no CPU
     backend): the public function must still write the right bytes."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 from collections.abc import Iterator
 
@@ -54,14 +53,8 @@ if sglang_installed():
     _make_torchvision_importable()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
-def sglang_runtime() -> Iterator[None]:
+def sglang_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """What an SGLang worker process has before it loads a model: a (gloo, world size 1)
     distributed group, published server args, model-parallel groups, and the
     ``sglang.srt.plugins`` entry points loaded by ``load_plugins()``."""
@@ -74,15 +67,21 @@ def sglang_runtime() -> Iterator[None]:
 
     for key, value in {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
     }.items():
         os.environ.setdefault(key, value)
     if not torch.distributed.is_initialized():
+        # A file store, not env:// (a TCP port found free here, then bound by torch's
+        # TCPStore: another process can take it in between). One rank needs no port.
+        store = tmp_path_factory.mktemp("torch-dist") / "store"
         parallel_state.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo"
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"file://{store}",
+            local_rank=0,
+            backend="gloo",
         )
     reset_context()
     publish(

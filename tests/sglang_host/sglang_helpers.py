@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 #: Distinct per-layer (k, v) scales, exact in float32, so equality checks are exact.
 SCALES = {0: (3.25, 2.5), 1: (4.75, 2.125)}

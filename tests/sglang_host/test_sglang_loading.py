@@ -9,6 +9,7 @@ import pytest
 
 # "sglang.srt", not "sglang": this test folder itself is named sglang (see conftest).
 import torch  # noqa: E402
+from kvscale_testing.checkpoints import read_stored_scales  # noqa: E402
 from sglang_helpers import (  # noqa: E402
     SCALES,
     SCALES_B,
@@ -21,8 +22,8 @@ from sglang_helpers import (  # noqa: E402
     resolve_kv_cache_dtype,
 )
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales  # noqa: E402
 from kvscale_plugin.scales import CorruptScaleError  # noqa: E402
+from kvscale_plugin.scheme import FP8_KV_SCHEME  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("sglang_runtime")
 

@@ -15,9 +15,9 @@ import math
 
 import pytest
 import torch
+from kvscale_testing.checkpoints import read_stored_mtp_scales, read_stored_scales
 from sglang_helpers import SCALES, attention_layers, build_model, layer_scales, reload
 
-from kvscale_plugin.demo.tinymodels import read_stored_mtp_scales, read_stored_scales
 from kvscale_plugin.scales import CorruptScaleError
 
 pytestmark = pytest.mark.usefixtures("sglang_runtime")

@@ -10,7 +10,7 @@ import pytest
 import torch  # noqa: E402
 from sglang_helpers import SCALES, build_model, resolve_kv_cache_dtype  # noqa: E402
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME  # noqa: E402
+from kvscale_plugin.scheme import FP8_KV_SCHEME  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("sglang_runtime")
 

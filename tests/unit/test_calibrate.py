@@ -8,6 +8,7 @@ stock ``sdpa`` attention.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import re
@@ -17,11 +18,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvscale_plugin import calibrate as cal
+from kvscale_plugin import calibration as cal
+from kvscale_plugin import fp8
 from kvscale_plugin.checkpoint import open_checkpoint
 from kvscale_plugin.cli import main as cli_main
-from kvscale_plugin.demo.tinymodels import CORPUS, FP8_KV_SCHEME
+from kvscale_plugin.demo.tinymodels import CORPUS
 from kvscale_plugin.inspection import inspect_checkpoint
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 TEXTS = cal.builtin_corpus("calibration")[:3]
 
@@ -341,4 +344,30 @@ def test_cli_calibrate_bad_input(tmp_path, capsys):
 
 def test_scale_floor_is_documented_value():
     assert cal.SCALE_FLOOR == torch.finfo(torch.float32).eps
-    assert math.isclose(cal.FP8_E4M3_MAX, float(torch.finfo(torch.float8_e4m3fn).max))
+
+
+def test_fp8_constants_are_torchs():
+    """The core's torch-free constants are torch's own values, bit for bit."""
+    assert fp8.FP8_E4M3_MAX == float(torch.finfo(torch.float8_e4m3fn).max)
+    assert math.isclose(fp8.FP8_E4M3_MAX, 448.0)
+    assert fp8.FLOAT32_EPS == torch.finfo(torch.float32).eps
+    assert fp8.FLOAT32_MAX == torch.finfo(torch.float32).max
+    assert fp8.scale_shape(None) == (1,)
+    assert fp8.scale_shape(4) == (4, 1, 1)
+    assert fp8.per_head_shape_ok(fp8.scale_shape(4), 4)
+
+
+def test_package_exports_every_public_name():
+    """``kvscale_plugin.calibration`` re-exports its modules' API, loaded on first use."""
+    import kvscale_plugin.calibration as package
+
+    assert set(package.__all__) == set(package._EXPORTS)
+    # A submodule named like an exported name would replace it once imported.
+    modules = {
+        m: importlib.import_module(f"{package.__name__}.{m}") for m in package._EXPORTS.values()
+    }
+    assert not set(modules) & set(package.__all__)
+    for name in package.__all__:
+        assert getattr(package, name) is getattr(modules[package._EXPORTS[name]], name)
+    with pytest.raises(AttributeError):
+        package.no_such_name  # noqa: B018

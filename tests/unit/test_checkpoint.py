@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvscale_testing.checkpoints import read_stored_scales
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -17,7 +18,6 @@ from kvscale_plugin.checkpoint import (
     open_checkpoint,
     read_safetensors_header,
 )
-from kvscale_plugin.demo.tinymodels import read_stored_scales
 
 SCALES = {0: (0.125, 0.25), 1: (0.5, 0.75)}
 

@@ -194,7 +194,9 @@ def _check_verdict(scheme: Any, verdict: SchemeVerdict) -> None:
         assert str(getattr(args.type, "value", args.type)) == "float" and args.num_bits == 8
         assert str(getattr(args.strategy, "value", args.strategy)) in ("tensor", "attn_head")
         assert not args.dynamic and args.symmetric
-        assert verdict.per_head == (str(getattr(args.strategy, "value", "")) == "attn_head")
+        assert verdict.per_head == (
+            str(getattr(args.strategy, "value", args.strategy)) == "attn_head"
+        )
     else:
         assert not verdict.per_head
 
@@ -208,6 +210,7 @@ def _judge_checked(scheme: Any) -> None:
 HOSTILE_FIELD_VALUES = (None, "", [], {}, -1, 2**64, math.nan, math.inf, "tensor", True, b"x")
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 @fuzz(N_SCHEME)
 @given(schemes(), st.integers(0, len(FIELDS) - 1))
 def test_judge_never_raises(scheme: Any, field_index: int) -> None:
@@ -228,6 +231,7 @@ def test_judge_float_scheme_not_8_bit(bits: int) -> None:
     assert verdict.declared and not verdict.supported and verdict.reason
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 def test_judge_budget_ran() -> None:
     assert COUNTS["scheme"] >= N_SCHEME * 5, COUNTS
 
@@ -383,6 +387,7 @@ def _oracle(name: str, value: Any, num_heads: int | None) -> set[str]:
     return {f"{name}[head {i}]" for i, x in enumerate(flat) if _bad(x)}
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 @fuzz(N_SCALES)
 @given(
     scale_inputs(),
@@ -421,6 +426,7 @@ def _scale_case(name: str, value: Any, num_heads: int | None) -> None:
         check_scales([(name, value)], num_heads=num_heads)
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 def test_scale_budget_ran() -> None:
     assert COUNTS["scale_problems"] >= N_SCALES * 5, COUNTS
 
@@ -479,6 +485,7 @@ def _elements(value: Any) -> list[float]:
     return [float(x) for x in value]
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 @fuzz(N_RESOLVE)
 @given(
     st.sampled_from([1, 2, 4]).flatmap(lambda h: st.tuples(loaded_scale(h), loaded_scale(h))),
@@ -518,6 +525,7 @@ def _resolve_case(k: Any, v: Any, fnuz: bool) -> None:
     assert resolved.source is want
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 def test_resolve_budget_ran() -> None:
     assert COUNTS["resolve_kv_scales"] >= N_RESOLVE * 4, COUNTS
 

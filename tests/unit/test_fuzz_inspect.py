@@ -33,8 +33,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
 from kvscale_plugin.inspection import run_inspect
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 COUNTS: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()
@@ -449,6 +449,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz-inspect")
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 @fuzz(N_CHECKPOINTS)
 @given(damaged_checkpoints(), st.data())
 def test_inspect_hostile_checkpoints(
@@ -476,6 +477,7 @@ def test_inspect_hostile_checkpoints(
     assert text_status == status
 
 
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 def test_budget_ran() -> None:
     assert sum(COUNTS.values()) >= N_CHECKPOINTS * 1.8, COUNTS
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvscale_testing.checkpoints import read_stored_scales
 
 from kvscale_plugin import hookimpl
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME, read_stored_scales
 from kvscale_plugin.inspection import (
     SCHEMA_VERSION,
     inspect_checkpoint,
@@ -24,6 +24,7 @@ from kvscale_plugin.inspection import (
     run_inspect,
 )
 from kvscale_plugin.names import get_plugin_manager
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 SCALES = {0: (0.125, 0.25), 1: (0.5, 0.75), 2: (1.5, 2.5)}
 TOP_LEVEL_KEYS = {
@@ -583,6 +584,7 @@ def test_truncated_header_exits_2(tiny, tmp_path, capsys):
 @pytest.mark.skipif(
     importlib.util.find_spec("kvscale_plugin.cli") is None, reason="kvscale_plugin.cli missing"
 )
+@pytest.mark.slow  # a fresh Python process: `make test`, not `make test-fast`
 def test_console_script_module(tiny):
     scales = {**SCALES, 1: (0.5, math.nan)}
     model = tiny("inspect_cli_nan", num_layers=2, scales=scales)
@@ -885,6 +887,7 @@ def test_committed_json_schema_matches_the_models():
     assert committed.read_text(encoding="utf-8") == expected, f"schema.json is stale; {REGENERATE}"
 
 
+@pytest.mark.slow  # a fresh Python process: `make test`, not `make test-fast`
 def test_schema_module_prints_the_schema():
     proc = subprocess.run(
         [sys.executable, "-m", "kvscale_plugin.inspection.schema"],

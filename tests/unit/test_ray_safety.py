@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 QUANT_CONFIG = {
     "quant_method": "compressed-tensors",
@@ -51,10 +51,10 @@ QUANT_CONFIG = {
 WORKER = r"""
 import pickle, sys, threading
 config = pickle.load(open(sys.argv[1], "rb"))          # the actor's arguments
-import kvscale_plugin.hosts.vllm.method as impl
+import kvscale_plugin.hosts.vllm.install as impl
 calls = []
-real = impl.register_quantization
-impl.register_quantization = lambda: (calls.append(1), real())[1]
+real = impl.INSTALLERS["scales"]
+impl.INSTALLERS["scales"] = lambda: (calls.append(1), real())[1]
 from vllm.plugins import load_general_plugins
 load_general_plugins(); load_general_plugins()         # WorkerWrapperBase.init_worker
 from kvscale_plugin.hosts.vllm import register

@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscale_plugin.demo.tinymodels import FP8_KV_SCHEME
-from kvscale_plugin.scheme import judge_kv_cache_scheme
+from kvscale_plugin.scheme import FP8_KV_SCHEME, judge_kv_cache_scheme
 
 
 def test_llm_compressor_fp8_scheme_is_supported():

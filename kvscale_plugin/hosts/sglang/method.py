@@ -51,12 +51,13 @@ from kvscale_plugin.hosts._common import (
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
+    CorruptScales,
     ResolvedScales,
+    ScaleProblem,
     ScaleSource,
-    format_corrupt_scales,
     rank_kv_heads,
     resolve_kv_scales,
-    scale_problems,
+    scale_problem_records,
     unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
@@ -95,7 +96,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.hf_config: Any = hf_config
         self.model_type: str | None = getattr(hf_config, "model_type", None)
         # Checkpoint tensors whose loaded value cannot be served: name -> why.
-        self.corrupt_scales: dict[str, str] = {}
+        self.corrupt_scales = CorruptScales()
         # How many times the model's load_weights ran (0 after a dummy load); counted
         # by the load_weights wrapper that patches.py installs.
         self.weight_loads = 0
@@ -282,8 +283,8 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             return
         state.pending.clear()
         for name in _SCALE_NAMES:
-            _forget_problems(self.quant_config.corrupt_scales, f"{state.name}.{name}")
-            _forget_problems(self.quant_config.corrupt_scales, state.tensor_name(name))
+            self.quant_config.corrupt_scales.forget(f"{state.name}.{name}")
+            self.quant_config.corrupt_scales.forget(state.tensor_name(name))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         state: _LayerState | None = getattr(layer, "kvscale_state", None)
@@ -300,7 +301,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 
         applies = cfg.kv_verdict.supported and _cache_may_be_fp8()
         if applies and cfg.corrupt_scales:
-            raise CorruptScaleError(format_corrupt_scales(cfg.corrupt_scales))
+            raise CorruptScaleError(cfg.corrupt_scales.message())
         if applies:
             resolved = resolve_kv_scales(
                 loaded.get("k_scale"), loaded.get("v_scale"), fnuz=is_fp8_fnuz()
@@ -344,25 +345,19 @@ def _write_scales(layer: torch.nn.Module, state: _LayerState, resolved: Resolved
     layer.kvscale_v_heads = resolved.v_heads
 
 
-def _forget_problems(corrupt: dict[str, str], tensor_name: str) -> None:
-    """Drop what an earlier load said about ``tensor_name`` (and each of its heads)."""
-    for key in [k for k in corrupt if k == tensor_name or k.startswith(f"{tensor_name}[")]:
-        del corrupt[key]
-
-
-def _scale_loader(state: _LayerState, corrupt: dict[str, str], kind: str) -> Callable[..., None]:
+def _scale_loader(state: _LayerState, corrupt: CorruptScales, kind: str) -> Callable[..., None]:
     def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
         placement = state.placement
         tensor_name = state.tensor_name(kind)
-        _forget_problems(corrupt, tensor_name)
+        corrupt.forget(tensor_name)
         # Every element of the full tensor (all heads, not only this rank's) is checked.
-        problems = scale_problems(
+        problems = scale_problem_records(
             tensor_name, loaded_weight, num_heads=None if placement is None else placement.total
         )
         if not problems and placement is not None and placement.heads is None:
-            problems = {tensor_name: str(placement.problem)}
+            problems = [ScaleProblem(tensor_name, str(placement.problem))]
         if problems:
-            corrupt.update(problems)  # reported, with every other bad tensor, after loading
+            corrupt.add(problems)  # reported, with every other bad tensor, after loading
             return
         values = loaded_weight.detach().float().reshape(-1).tolist()
         value: float | tuple[float, ...]

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvscale_plugin._log import info_once, logger, warn_once
+from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer
 
 BACKEND_NAME = "CUSTOM"
 BACKEND_CLASS_PATH = f"{__name__}.KVScaleTritonAttentionBackend"
@@ -98,15 +99,6 @@ def _announce_per_head_max() -> None:
         "one scale per layer, so each layer's FP8 cache is written and read with the max "
         "over its heads (nothing clips).",
     )
-
-
-def is_kvscale_layer(layer: object) -> bool:
-    """Whether ``layer``'s KV method is kvscale's (its class sets ``is_kvscale = True``).
-
-    ``is True`` rather than truthiness: a mock or an unrelated method with a
-    truthy attribute of that name must not route the layer here.
-    """
-    return getattr(getattr(layer, "quant_method", None), "is_kvscale", False) is True
 
 
 def _build_classes() -> dict[str, type]:

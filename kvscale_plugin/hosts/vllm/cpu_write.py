@@ -43,13 +43,14 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 from kvscale_plugin._log import logger, warn_once
-from kvscale_plugin.hosts.vllm.backend import is_kvscale_layer
 from kvscale_plugin.hosts.vllm.internals import replace
+from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
 """Environment variable: ``rne`` (default: kvscale's write, compiled where possible),
@@ -63,23 +64,84 @@ _TARGET_ATTR = "_kvscale_cpu_cache_target"
 _FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 _install_lock = threading.Lock()
-_announced: list[bool] = []  # the INFO line is logged once per process
 
 
-# Bound to the kernel module's functions when a layer first routes to it (_decide):
-# the module is imported only in processes that write a kvscale FP8 cache.
-_write: Callable[..., None]
-_target: Callable[..., Any]
-_plan: Callable[..., Any]
-_native_write: Callable[..., int]
-_native_target: Callable[..., Any]
-_native_module: Any = None
-_has_forward_context: Callable[[], bool]
-_get_forward_context: Callable[[], Any]
+@dataclass(frozen=True)
+class _Kernels:
+    """kvscale's write, bound when a layer first routes to it (``_decide``): the kernel
+    modules are imported only in processes that write a kvscale FP8 cache."""
 
-# Write plans of the current forward step (see _step_plan).
-_step_ctx: list[weakref.ref[Any] | None] = [None]
-_step_plans: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, Any]] = {}
+    write: Callable[..., None]  # cpu_cache_write.write_planned
+    target: Callable[..., Any]  # cpu_cache_write.cache_target
+    plan: Callable[..., Any]  # cpu_cache_write.plan_write
+    has_forward_context: Callable[[], bool]
+    get_forward_context: Callable[[], Any]
+    native_module: Any = None  # the compiled write, when it was built
+    native_write: Callable[..., int] | None = None
+    native_target: Callable[..., Any] | None = None
+
+
+class _Process:
+    """This process's cache-write state."""
+
+    kernels: _Kernels | None = None
+    announced = False  # the INFO line is logged once per process
+
+
+_process = _Process()
+
+
+@dataclass(frozen=True)
+class _HeldTarget:
+    """The write target made for one layer's cache tensor, valid while the engine hands
+    over the same tensor with the same storage and geometry (the compiled write keeps a
+    raw pointer: a cache whose storage was swapped must never be written through the
+    old one)."""
+
+    cache: torch.Tensor
+    route: str
+    data_ptr: int
+    stride: tuple[int, ...]
+    shape: tuple[int, ...]
+    target: Any
+
+    def serves(self, kv_cache: torch.Tensor, route: str) -> bool:
+        return (
+            self.cache is kv_cache
+            and self.route == route
+            and self.data_ptr == kv_cache.data_ptr()
+            and self.stride == kv_cache.stride()
+            and self.shape == tuple(kv_cache.shape)
+        )
+
+
+class _StepPlan(NamedTuple):
+    slot_mapping: torch.Tensor  # held: its id stays its own while the plan is kept
+    plan: Any
+
+
+class _StepPlans:
+    """Write plans of the current forward step (see ``_step_plan``)."""
+
+    def __init__(self) -> None:
+        self.context: weakref.ref[Any] | None = None
+        self.plans: dict[tuple[int, tuple[int, ...]], _StepPlan] = {}
+
+    def for_context(self, ctx: Any) -> dict[tuple[int, tuple[int, ...]], _StepPlan]:
+        """The plans of ``ctx``'s step (a new step drops the last one's)."""
+        if self.context is None or self.context() is not ctx:
+            self.plans.clear()
+            self.context = weakref.ref(ctx, self._forget)
+        return self.plans
+
+    def _forget(self, ref: weakref.ref[Any]) -> None:
+        """Weakref callback: the step's forward context is gone, and so are its plans."""
+        if self.context is ref:
+            self.plans.clear()
+            self.context = None
+
+
+_step_plans = _StepPlans()
 
 
 def write_mode() -> str:
@@ -143,26 +205,26 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         if route is None:
             original(self, layer, key, value, kv_cache, slot_mapping)
             return
-        # Per layer, for as long as the engine hands over the same cache tensor with the
-        # same storage and geometry (the compiled write keeps a raw pointer: a cache
-        # whose storage was swapped must never be written through the old one).
-        storage = (kv_cache, route, kv_cache.data_ptr(), kv_cache.stride(), kv_cache.shape)
-        held = self.__dict__.get(_TARGET_ATTR)
-        if held is None or held[0][0] is not kv_cache or held[0][1:] != storage[1:]:
+        kernels = _process.kernels
+        assert kernels is not None  # bound by _decide before any route is taken
+        held: _HeldTarget | None = self.__dict__.get(_TARGET_ATTR)
+        if held is None or not held.serves(kv_cache, route):
             # A normal (not inference-mode) view: writable both in vLLM's
             # inference-mode forward and outside it.
             with torch.inference_mode(False):
                 made = (
-                    _native_target(kv_cache)
-                    if route == "c:vec"
-                    else _target(kv_cache, route.split(":", 1)[1])
+                    kernels.native_target(kv_cache)
+                    if route == "c:vec"  # only routed there when the compiled write loaded
+                    else kernels.target(kv_cache, route.split(":", 1)[1])
                 )
-            held = (storage, made)
+            held = _HeldTarget(
+                kv_cache, route, kv_cache.data_ptr(), kv_cache.stride(), tuple(kv_cache.shape), made
+            )
             setattr(self, _TARGET_ATTR, held)
-        target = held[1]
+        target = held.target
         if route == "c:vec":
-            _native_write(
-                _native_module,
+            kernels.native_write(
+                kernels.native_module,
                 key,
                 value,
                 target,
@@ -172,11 +234,11 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
             )
             return
         flat, geometry = target
-        _write(
+        kernels.write(
             key,
             value,
             flat,
-            _step_plan(slot_mapping, geometry),
+            _step_plan(kernels, slot_mapping, geometry),
             layer._k_scale_float,
             layer._v_scale_float,
         )
@@ -185,7 +247,7 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
     return do_kv_cache_update
 
 
-def _step_plan(slot_mapping: torch.Tensor, geometry: tuple[int, ...]) -> Any:
+def _step_plan(kernels: _Kernels, slot_mapping: torch.Tensor, geometry: tuple[int, ...]) -> Any:
     """The write plan for ``slot_mapping``: computed once per forward step and cache
     geometry, then shared by every layer that writes in that step.
 
@@ -198,32 +260,17 @@ def _step_plan(slot_mapping: torch.Tensor, geometry: tuple[int, ...]) -> Any:
     plans are dropped when the step's context is. Outside a forward context (direct
     calls) nothing is reused.
     """
-    ctx = _forward_context()
+    ctx = kernels.get_forward_context() if kernels.has_forward_context() else None
     if ctx is None:
-        return _plan(slot_mapping, geometry)
-    ref = _step_ctx[0]
-    if ref is None or ref() is not ctx:
-        _step_plans.clear()
-        _step_ctx[0] = weakref.ref(ctx, _forget_step)
+        return kernels.plan(slot_mapping, geometry)
+    plans = _step_plans.for_context(ctx)
     key = (id(slot_mapping), geometry)
-    hit = _step_plans.get(key)
-    if hit is not None and hit[0] is slot_mapping:
-        return hit[1]
-    plan = _plan(slot_mapping, geometry)
-    _step_plans[key] = (slot_mapping, plan)  # holds the tensor: its id stays its own
+    hit = plans.get(key)
+    if hit is not None and hit.slot_mapping is slot_mapping:
+        return hit.plan
+    plan = kernels.plan(slot_mapping, geometry)
+    plans[key] = _StepPlan(slot_mapping, plan)
     return plan
-
-
-def _forget_step(ref: weakref.ref[Any]) -> None:
-    """Weakref callback: the step's forward context is gone, and so are its plans."""
-    if _step_ctx[0] is ref:
-        _step_plans.clear()
-        _step_ctx[0] = None
-
-
-def _forward_context() -> Any:
-    """vLLM's current forward context, or None outside a forward step."""
-    return _get_forward_context() if _has_forward_context() else None
 
 
 def _route(
@@ -252,8 +299,6 @@ def _decide(
 
     from kvscale_plugin.kernels.cpu_cache_write import INPUT_DTYPES, LAYOUTS
 
-    global _write, _target, _plan, _has_forward_context, _get_forward_context
-    global _native_write, _native_target, _native_module
     if not is_kvscale_layer(layer):
         return None
     if getattr(impl, "kv_cache_dtype", None) not in _FP8_E4M3_CACHE_DTYPES:
@@ -296,11 +341,16 @@ def _decide(
     from kvscale_plugin.kernels.cpu_cache_write import cache_target, plan_write, write_planned
 
     implementation = "torch"
+    native: dict[str, Any] = {}
     if mode == "rne":
         module = cpu_native.load()  # one warning when it cannot be built
         if module is not None:
-            _native_module, implementation = module, "c"
-            _native_write, _native_target = cpu_native.write_native, cpu_native.native_target
+            implementation = "c"
+            native = {
+                "native_module": module,
+                "native_write": cpu_native.write_native,
+                "native_target": cpu_native.native_target,
+            }
     if implementation == "c" and not layout_matches_vllm(isa, block_size, two_hs // 2, dtype, "c"):
         warn_once(
             f"cpu-write-layout-c-{isa}-{block_size}-{two_hs // 2}",
@@ -325,10 +375,17 @@ def _decide(
             two_hs // 2,
         )
         return None
-    _write, _target, _plan = write_planned, cache_target, plan_write
-    _has_forward_context, _get_forward_context = is_forward_context_available, get_forward_context
-    if not _announced:
-        _announced.append(True)
+    if _process.kernels is None or (native and _process.kernels.native_module is None):
+        _process.kernels = _Kernels(
+            write_planned,
+            cache_target,
+            plan_write,
+            is_forward_context_available,
+            get_forward_context,
+            **native,
+        )
+    if not _process.announced:
+        _process.announced = True
         logger.info(
             "kvscale: FP8 KV cache of kvscale layers written with round-to-nearest-even "
             "on the CPU (%s; %s=vllm restores vLLM's truncating write).",

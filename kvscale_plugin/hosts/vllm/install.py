@@ -28,9 +28,12 @@ def host_version() -> str:
 
 
 def _scales() -> None:
-    from kvscale_plugin.hosts.vllm.method import register_quantization
+    """Register ``KVScaleConfig`` as ``--quantization kvscale``."""
+    from vllm.model_executor.layers.quantization import register_quantization_config
 
-    register_quantization()
+    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
+
+    register_quantization_config(QUANTIZATION_METHOD)(KVScaleConfig)
 
 
 def _name_parity() -> None:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
@@ -31,7 +30,7 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import info_once, warn_once
+from kvscale_plugin._log import info_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
@@ -40,6 +39,7 @@ from kvscale_plugin.hosts._common import (
     warn_missing_scales,
     warn_unmapped_scales,
 )
+from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.names import (
     declared_mtp_layers,
@@ -50,25 +50,22 @@ from kvscale_plugin.names import (
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
+    CorruptScales,
     ResolvedScales,
     ScaleSource,
-    format_corrupt_scales,
     per_head_shape_ok,
     rank_kv_heads,
     resolve_kv_scales,
-    scale_problems,
+    scale_problem_records,
     unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
 
-HOST = "vllm"
 _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 _ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
 
 
 _UNMAPPED_PREFIX = "__kvscale_unmapped__."
-# "warn once" scope of an MTP draft's own warnings (beside its target model's).
-DRAFT_SCOPE = "mtp-draft:"
 
 
 class _HookRenaming:
@@ -122,8 +119,8 @@ class KVScaleConfig(CompressedTensorsConfig):
             # Exposed only when supported: Attention flips `auto` to FP8 on it.
             self.kv_cache_scheme = None
         self.model_type: str | None = None
-        # Checkpoint tensors whose loaded value cannot be served: name -> why.
-        self.corrupt_scales: dict[str, str] = {}
+        # Checkpoint tensors whose loaded value cannot be served (this load cycle).
+        self.corrupt_scales = CorruptScales()
         # Checkpoint KV-scale tensors that name no attention layer of this model.
         self.unmapped_scales: set[str] = set()
         # The main stack's depth and the checkpoint's MTP (draft) layer count, from the
@@ -230,12 +227,13 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         cfg = self.quant_config
         # In an engine's worker process, by now: its reload entry points get kvscale's
         # after-reload check (see reload.install_worker_wrappers; idempotent, cheap).
-        _install_worker_wrappers()
+        from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
+
+        ensure_worker_wrappers()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
         # A new load cycle for this layer: what an earlier cycle found corrupt is moot.
-        for key in [k for k in cfg.corrupt_scales if k.startswith(layer_name + ".")]:
-            del cfg.corrupt_scales[key]
+        cfg.corrupt_scales.forget_under(layer_name)
         heads = _HeadLayout.for_layer(cfg, layer) if cfg.kv_verdict.per_head else None
         layer.kvscale_heads = heads.local if heads is not None else None
         for name in _SCALE_NAMES:
@@ -286,7 +284,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
                     delattr(layer, name)
                 return
-            raise CorruptScaleError(format_corrupt_scales(cfg.corrupt_scales))
+            raise CorruptScaleError(cfg.corrupt_scales.message())
 
         fnuz = current_platform.is_fp8_fnuz()
         if applies:
@@ -414,23 +412,22 @@ def _fill_device(
 # Loaders are plain functions (not functools.partial): vLLM's in-place reload
 # wraps them and reads their __name__; its replay binds the first argument "param".
 def _scale_loader(
-    corrupt: dict[str, str],
+    corrupt: CorruptScales,
     tensor_name: str,
     heads: _HeadLayout | None = None,
     *,
     is_query: bool = False,
 ) -> Callable[..., None]:
     def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        for key in [k for k in corrupt if k == tensor_name or k.startswith(tensor_name + "[")]:
-            del corrupt[key]
+        corrupt.forget(tensor_name)
         expected = None
         if heads is not None:
             expected = heads.total_kv
             if is_query and not per_head_shape_ok(tuple(loaded_weight.shape), heads.total_kv):
                 expected = heads.total_q  # llm-compressor: one q scale per query head
-        problems = scale_problems(tensor_name, loaded_weight, num_heads=expected)
+        problems = scale_problem_records(tensor_name, loaded_weight, num_heads=expected)
         if problems:
-            corrupt.update(problems)  # reported, with every other bad tensor, after loading
+            corrupt.add(problems)  # reported, with every other bad tensor, after loading
             return
         values = loaded_weight.detach().float().reshape(-1)
         if heads is not None:
@@ -446,25 +443,6 @@ def _zero_point_loader(tensor_name: str) -> Callable[..., None]:
         check_zero_point(tensor_name, loaded_weight)
 
     return load_kv_zero_point
-
-
-def _install_worker_wrappers() -> None:
-    from kvscale_plugin.hosts.vllm import internals
-
-    if "reload-check" not in internals.installed:
-        return
-    try:
-        from kvscale_plugin.hosts.vllm.reload import install_worker_wrappers
-
-        install_worker_wrappers()
-    except Exception as exc:  # noqa: BLE001 - costs the reload check only, never the load
-        warn_once(
-            "vllm-reload-worker",
-            "kvscale: the reload check could not hook into this vLLM's worker (%s: %s); "
-            "a reload with corrupt KV scales is not refused.",
-            type(exc).__name__,
-            exc,
-        )
 
 
 def _pipeline_parallel() -> bool:
@@ -513,8 +491,3 @@ def _explicit_fp8_cache() -> bool:
     config = get_current_vllm_config_or_none()
     dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "auto")
     return isinstance(dtype, str) and is_quantized_kv_cache(dtype)
-
-
-def register_quantization() -> None:
-    """Register ``KVScaleConfig`` as ``--quantization kvscale`` (the ``scales`` feature)."""
-    register_quantization_config(QUANTIZATION_METHOD)(KVScaleConfig)

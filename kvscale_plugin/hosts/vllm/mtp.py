@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvscale_plugin.hosts._common import warn_unmapped_scales
 from kvscale_plugin.hosts.vllm.internals import replace
-from kvscale_plugin.hosts.vllm.method import (
-    DRAFT_SCOPE,
-    HOST,
-    KVScaleConfig,
-    KVScaleKVCacheMethod,
-)
+from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, is_kvscale_layer
 from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal
+
+if TYPE_CHECKING:
+    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -44,8 +42,7 @@ def _draft_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = [
         module
         for module in model.modules()
-        if isinstance(getattr(module, "quant_method", None), KVScaleKVCacheMethod)
-        and hasattr(module, "k_scale")
+        if is_kvscale_layer(module) and hasattr(module, "k_scale")
     ]
 
     def number(layer: torch.nn.Module) -> int:
@@ -79,13 +76,14 @@ def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: KVScal
         if param is None or loader is None:
             unmapped.add(name)
             continue
-        before = set(cfg.corrupt_scales)
+        cfg.corrupt_scales.forget(name)  # what an earlier load of it said is moot
         loader(param, tensor)
-        # Name the checkpoint's tensor: a draft layer's engine name is not in the file.
-        for key in set(cfg.corrupt_scales) - before:
-            why = cfg.corrupt_scales.pop(key)
-            head = key[key.index("[") :] if "[" in key else ""
-            cfg.corrupt_scales[f"{name}{head} (MTP draft layer {layers[ordinal].layer_name})"] = why
+        # The loader names a problem by the draft layer's engine name, which is not in
+        # the file: name the checkpoint's tensor instead.
+        draft_layer = layers[ordinal].layer_name
+        cfg.corrupt_scales.refile(
+            f"{draft_layer}.{kind}", name, note=f"MTP draft layer {draft_layer}"
+        )
     if unmapped:
         warn_unmapped_scales(unmapped, f"{cfg.warn_scope}{DRAFT_SCOPE}")
 

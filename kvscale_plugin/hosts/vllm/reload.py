@@ -10,7 +10,8 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
@@ -18,20 +19,33 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import shorten
 from kvscale_plugin.hosts.vllm.internals import replace
-from kvscale_plugin.hosts.vllm.method import KVScaleConfig, KVScaleKVCacheMethod
-from kvscale_plugin.scales import CorruptScaleError, format_corrupt_scales
+from kvscale_plugin.hosts.vllm.layers import kvscale_config
+from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
-_Layers = list[tuple[str, torch.nn.Module, KVScaleConfig]]
+if TYPE_CHECKING:
+    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
+
+
+@dataclass(frozen=True)
+class _Served:
+    """One attention layer served by kvscale's KV method, as a reload step sees it."""
+
+    name: str  # the engine's layer name
+    layer: torch.nn.Module
+    cfg: KVScaleConfig
+
+
+_Layers = list[_Served]
 
 
 def _kvscale_layers(model: torch.nn.Module) -> _Layers:
-    """(engine name, layer, config) of every attention layer of ``model`` served by
+    """Every attention layer of ``model`` served by
     kvscale's KV method (collected once per reload step, read by the checks below)."""
     found = []
     for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, KVScaleKVCacheMethod):
-            found.append((getattr(module, "layer_name", name), module, method.quant_config))
+        cfg = kvscale_config(module)
+        if cfg is not None:
+            found.append(_Served(getattr(module, "layer_name", name), module, cfg))
     return found
 
 
@@ -41,37 +55,37 @@ def _layers_reloaded_without_scales(layers: _Layers) -> dict[str, KVScaleConfig]
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     return {
-        name: cfg
-        for name, layer, cfg in layers
-        if cfg.kv_verdict.supported
-        and is_quantized_kv_cache(layer.kv_cache_dtype)
-        and get_layerwise_info(layer).load_numel <= 0
+        s.name: s.cfg
+        for s in layers
+        if s.cfg.kv_verdict.supported
+        and is_quantized_kv_cache(s.layer.kv_cache_dtype)
+        and get_layerwise_info(s.layer).load_numel <= 0
     }
 
 
 def _is_draft(layers: _Layers) -> bool:
     """Whether these are an MTP draft's layers (a draft weight-sync session)."""
-    return any(getattr(layer, "kvscale_draft", False) for _, layer, _ in layers)
+    return any(getattr(s.layer, "kvscale_draft", False) for s in layers)
 
 
 def _kvscale_configs(layers: _Layers) -> list[KVScaleConfig]:
     """The kvscale configs (normally one) whose KV method serves one of ``layers``."""
-    found = {id(cfg): cfg for _, _, cfg in layers}
+    found = {id(s.cfg): s.cfg for s in layers}
     return list(found.values())
 
 
-def _corrupt_scales(layers: _Layers) -> dict[str, str]:
+def _corrupt_scales(layers: _Layers) -> CorruptScales:
     """Corrupt scales recorded in this load cycle for ``layers`` whose FP8 cache
     uses the checkpoint's scales -- also those of a layer whose every scale tensor was
     refused: it loaded nothing, so vLLM put its old tensors back and never called the
     KV method."""
-    corrupt: dict[str, str] = {}
-    for _, layer, cfg in layers:
-        verdict = cfg.kv_verdict
+    corrupt = CorruptScales()
+    for served in layers:
+        verdict = served.cfg.kv_verdict
         if (verdict.supported or not verdict.declared) and is_quantized_kv_cache(
-            layer.kv_cache_dtype
+            served.layer.kv_cache_dtype
         ):
-            corrupt.update(cfg.corrupt_scales)
+            corrupt.update(served.cfg.corrupt_scales)
     return corrupt
 
 
@@ -123,9 +137,9 @@ _RELOAD_WRAPPED = "__kvscale_reload_check__"
 _deferred = threading.local()
 
 
-def _refusal(corrupt: dict[str, str]) -> CorruptScaleError:
+def _refusal(corrupt: CorruptScales) -> CorruptScaleError:
     return CorruptScaleError(
-        format_corrupt_scales(corrupt)
+        corrupt.message()
         + "\nThe reload's KV scales are refused: every attention layer keeps the KV scales "
         "it had. The reload's other weights are in place (vLLM loads them layer by layer, "
         "before the scales can be checked): reload a checkpoint with valid KV scales "
@@ -246,6 +260,26 @@ def _raising_after(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return entry_point
+
+
+def ensure_worker_wrappers() -> None:
+    """Called by the KV method as each attention layer is built (in an engine's worker
+    process, by then): ``install_worker_wrappers`` where the ``reload-check`` feature is
+    installed. Never raises: a failure costs the reload check only, never the load."""
+    from kvscale_plugin.hosts.vllm import internals
+
+    if "reload-check" not in internals.installed:
+        return
+    try:
+        install_worker_wrappers()
+    except Exception as exc:  # noqa: BLE001 - costs the reload check only, never the load
+        warn_once(
+            "vllm-reload-worker",
+            "kvscale: the reload check could not hook into this vLLM's worker (%s: %s); "
+            "a reload with corrupt KV scales is not refused.",
+            type(exc).__name__,
+            exc,
+        )
 
 
 def install_worker_wrappers() -> None:

@@ -1,0 +1,83 @@
+"""Look inside a running vLLM engine (tests and benchmarks only).
+
+The engine itself comes from ``kvscale_plugin.demo.probe.vllm_engine`` (what ``kvscale
+demo`` runs); the functions here read or drive what only tests need. The ``apply_model``
+/ ``collective_rpc`` targets are pickled by reference: a worker process imports this
+module, so it must find ``tests/support`` on its ``sys.path`` (inherited from the
+process that starts the engine).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_runs_fp8_cache() -> bool:
+    """Whether vLLM's CPU attention can run an FP8 KV cache here (x86 AVX-512 or AMX)."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def attention_layers(llm: Any) -> dict[str, torch.nn.Module]:
+    """An in-process engine's attention layers, by name."""
+    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    return {name: layer for name, layer in ctx.items() if hasattr(layer, "_k_scale")}
+
+
+def reload_weights(llm: Any, model_dir: str | os.PathLike[str]) -> None:
+    """In-place reload of ``model_dir``'s safetensors into the running engine (RL weight sync)."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    files = sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
+    llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": safetensors_weights_iterator(files, False)}
+    )
+
+
+def model_kv_scales(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """``llm.apply_model`` target (importable, so it works across processes):
+    per attention layer (k, v) device-tensor scales, for whatever process holds the model."""
+    return {
+        name: (float(m._k_scale.reshape(-1)[0]), float(m._v_scale.reshape(-1)[0]))
+        for name, m in model.named_modules()
+        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
+    }
+
+
+def model_kv_head_scales(
+    model: torch.nn.Module,
+) -> dict[str, tuple[list[float], list[float], float, float]]:
+    """``llm.apply_model`` target: per attention layer, every value of the k and v
+    device tensors (one per KV head this rank holds) and the two Python floats."""
+    return {
+        name: _head_scales(m)
+        for name, m in model.named_modules()
+        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
+    }
+
+
+def _head_scales(layer: torch.nn.Module) -> tuple[list[float], list[float], float, float]:
+    return (
+        [float(x) for x in layer._k_scale.reshape(-1).tolist()],
+        [float(x) for x in layer._v_scale.reshape(-1).tolist()],
+        float(layer._k_scale_float),
+        float(layer._v_scale_float),
+    )
+
+
+def worker_kv_head_scales(
+    worker: Any,
+) -> dict[str, tuple[list[float], list[float], float, float, bool]]:
+    """``llm.collective_rpc`` target: what ``model_kv_head_scales`` reads, for every
+    attention layer the worker's engine registered -- the target model's and a
+    speculative-decoding draft's (``apply_model`` sees the target only); the last item
+    says whether the layer is an MTP draft layer kvscale loaded."""
+    context = worker.vllm_config.compilation_config.static_forward_context
+    return {
+        name: (*_head_scales(m), bool(getattr(m, "kvscale_draft", False)))
+        for name, m in context.items()
+        if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
+    }

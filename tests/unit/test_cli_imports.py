@@ -1,0 +1,125 @@
+"""What the ``kvscale`` command imports: ``--help`` and ``inspect`` load no host engine.
+
+Each command runs in a fresh interpreter with ``-X importtime``, which lists every module
+the process imported; the assertions are about those modules, not about time
+(``benchmarks/cli_startup.py`` measures the time).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from kvscale_plugin.cli import build_parser
+from kvscale_plugin.scheme import FP8_KV_SCHEME
+
+HOSTS = ("vllm", "sglang")
+#: What building the parser must not cost: torch and what imports it.
+HEAVY = ("torch", "transformers", "compressed_tensors", *HOSTS)
+
+
+def _tiny_checkpoint(path: Path) -> Path:
+    """config.json (a kv_cache_scheme) + per-layer k/v scales, written without torch."""
+    path.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {},
+            "format": "dense",
+            "kv_cache_scheme": FP8_KV_SCHEME,
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = {
+        f"model.layers.{i}.self_attn.{kind}_scale": np.array([value], dtype=np.float32)
+        for i in range(2)
+        for kind, value in (("k", 0.5), ("v", 0.25))
+    }
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _imported(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run ``kvscale ARGV`` (the console script's ``main``) in a fresh interpreter; its
+    result and the top-level packages it imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kvscale_plugin.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    modules = {
+        line.rsplit("|", 1)[1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+    return proc, {m.split(".")[0] for m in modules}
+
+
+@pytest.mark.slow  # fresh interpreters
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["calibrate", "--help"]])
+def test_help_imports_no_torch_and_no_host(argv):
+    proc, packages = _imported(*argv)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: kvscale" in proc.stdout
+    assert "kvscale_plugin" in packages
+    assert not packages & set(HEAVY), sorted(packages & set(HEAVY))
+
+
+@pytest.fixture(scope="module")
+def inspected(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    model = _tiny_checkpoint(tmp_path_factory.mktemp("cli-imports") / "tiny")
+    return _imported("inspect", str(model))
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_inspect_imports_no_host(inspected):
+    proc, packages = inspected
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "PROBLEMS: none" in proc.stdout
+    assert "kvscale_plugin" in packages
+    assert not packages & set(HOSTS), sorted(packages & set(HOSTS))
+
+
+@pytest.mark.slow  # a fresh interpreter
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the scheme verdict is compressed-tensors' QuantizationArgs (kvscale_plugin.scheme), "
+    "and compressed_tensors imports torch and transformers; safetensors' safe_open(framework="
+    "'pt') in kvscale_plugin.checkpoint and the value rules of kvscale_plugin.scales need "
+    "torch too",
+)
+def test_inspect_imports_no_torch(inspected):
+    proc, packages = inspected
+    if proc.returncode != 0 or "kvscale_plugin" not in packages:
+        pytest.fail(f"kvscale inspect failed: {proc.stderr[-2000:]}")
+    assert "torch" not in packages
+
+
+def test_demo_arguments_are_loaded_when_demo_is_parsed(capsys):
+    """``demo``'s arguments and description come from ``kvscale_plugin.demo.runner``, added
+    only when ``demo`` is parsed: its ``--help`` is the runner's."""
+    from kvscale_plugin.demo import runner
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["demo", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvscale demo ")
+    assert runner.__doc__.strip().splitlines()[0] in out
+    assert "--real" in out and "--variants" in out
+    args = build_parser().parse_args(["demo", "--tokens", "7", "--real"])
+    assert (args.command, args.tokens, args.real) == ("demo", 7, True)
