@@ -12,7 +12,6 @@ a host engine (vLLM, SGLang). ``kvscale inspect`` reads a tiny checkpoint writte
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -21,39 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# kvscale_testing: the tests' helpers (tests/support), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from kvscale_testing.scale_checkpoint import scale_only_checkpoint  # noqa: E402
+
 WATCHED = ("torch", "compressed_tensors", "vllm", "sglang")
-
-
-def tiny_checkpoint(path: Path) -> Path:
-    """config.json with a kv_cache_scheme + per-layer k/v scales (no torch needed)."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    from kvscale_plugin.scheme import FP8_KV_SCHEME
-
-    path.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "hidden_size": 64,
-        "quantization_config": {
-            "quant_method": "compressed-tensors",
-            "config_groups": {},
-            "format": "dense",
-            "kv_cache_scheme": FP8_KV_SCHEME,
-        },
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    tensors = {
-        f"model.layers.{i}.self_attn.{kind}_scale": np.array([value], dtype=np.float32)
-        for i in range(2)
-        for kind, value in (("k", 0.5), ("v", 0.25))
-    }
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
 
 
 def kvscale_command() -> list[str]:
@@ -93,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvscale-cli-startup-") as tmp:
-        model = args.model or tiny_checkpoint(Path(tmp) / "tiny")
+        model = args.model or scale_only_checkpoint(Path(tmp) / "tiny")
         kvscale = kvscale_command()
         commands = {
             "python -c pass": [sys.executable, "-c", "pass"],

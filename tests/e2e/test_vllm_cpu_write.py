@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import torch
 from kvscale_testing.checkpoints import reference_token_ids
+from kvscale_testing.cpu_cache import contract
+from kvscale_testing.cpu_cache import expected_vec_cache as expected_cache
 from kvscale_testing.engines import attention_layers
 
 from kvscale_plugin.demo import tinymodels
@@ -44,29 +46,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Helpers -----------------------------------------------------------------------
 
 
-def contract(x: torch.Tensor, scale: float) -> torch.Tensor:
-    s = torch.tensor(scale, dtype=torch.float32)
-    return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
 def layer_cache(layer: torch.nn.Module) -> torch.Tensor:
     cache = layer.kv_cache
     return cache[0] if isinstance(cache, (list, tuple)) else cache
-
-
-def expected_cache(cache, key, value, slots, k_scale, v_scale) -> torch.Tensor:
-    out = cache.clone().view(torch.uint8)
-    num_blocks, num_heads, block_size, two_hs = out.shape
-    hs = two_hs // 2
-    flat = out.view(num_blocks, num_heads, 2 * block_size * hs)
-    d = torch.arange(hs)
-    for i, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        b, t = divmod(slot, block_size)
-        flat[b, :, d * block_size + t] = contract(key[i], k_scale)
-        flat[b, :, block_size * hs + t * hs + d] = contract(value[i], v_scale)
-    return out
 
 
 def stored_bytes(cache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 from fp8_helpers import assert_same_fp8
+from kvscale_testing.cpu_cache import contract
+from kvscale_testing.cpu_cache import expected_vec_cache as expected_cache
 
 from kvscale_plugin.kernels import cpu_native
 from kvscale_plugin.kernels.cpu_cache_write import (
@@ -33,12 +35,6 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SCALES = [1.0, 0.37, 3.8627140522003174, 0.125, 1e-3]
 # Block and head sizes vLLM's CPU backend accepts with an FP8 cache (multiples of 32).
 GEOMETRIES = [(32, 32), (32, 64), (64, 128), (128, 64), (32, 256)]
-
-
-def contract(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """The bytes kvscale promises, straight from the torch expression."""
-    s = torch.tensor(scale, dtype=torch.float32)
-    return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def truncation(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -74,23 +70,6 @@ def special_values(scale: float) -> torch.Tensor:
     vals = [0.0, float("nan"), float("inf")] + e4m3_ties + subnormals + big
     out = torch.tensor(vals + [-v for v in vals], dtype=torch.float64) * scale
     return out.float()
-
-
-def expected_cache(cache, key, value, slots, k_scale, v_scale) -> torch.Tensor:
-    """vLLM's "vec" layout, one token at a time: per (block, head), K transposed at
-    ``d * block_size + t``, then V at ``block_size * head_size + t * head_size + d``."""
-    out = cache.clone()
-    num_blocks, num_heads, block_size, two_hs = out.shape
-    hs = two_hs // 2
-    flat = out.view(num_blocks, num_heads, 2 * block_size * hs)
-    d = torch.arange(hs)
-    for i, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        b, t = divmod(slot, block_size)
-        flat[b, :, d * block_size + t] = contract(key[i], k_scale)
-        flat[b, :, block_size * hs + t * hs + d] = contract(value[i], v_scale)
-    return out
 
 
 def make_inputs(num_tokens, num_heads, head_size, dtype, scale, *, seed=0, specials=True):

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvscale_testing.cpu_cache import expected_vec_cache as _expected
 
 from kvscale_plugin.hosts.vllm import cpu_write
 
@@ -45,28 +46,6 @@ class _Impl:
 
 def _vllms_write(*args: Any) -> None:
     raise AssertionError("routed to vLLM's write")
-
-
-def _contract(x: torch.Tensor, scale: float) -> torch.Tensor:
-    s = torch.tensor(scale, dtype=torch.float32)
-    return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def _expected(cache, key, value, slots, k_scale, v_scale) -> torch.Tensor:
-    """vLLM's CPU "vec" layout: per (block, head), K transposed at ``d * block_size + t``,
-    V at ``block_size * head_size + t * head_size + d``."""
-    out = cache.clone().view(torch.uint8)
-    num_blocks, num_heads, block_size, two_hs = out.shape
-    hs = two_hs // 2
-    flat = out.view(num_blocks, num_heads, 2 * block_size * hs)
-    d = torch.arange(hs)
-    for i, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        b, t = divmod(slot, block_size)
-        flat[b, :, d * block_size + t] = _contract(key[i], k_scale)
-        flat[b, :, block_size * hs + t * hs + d] = _contract(value[i], v_scale)
-    return out
 
 
 @pytest.fixture(params=["rne", "rne-torch"])

@@ -7,48 +7,17 @@ the process imported; the assertions are about those modules, not about time
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from kvscale_testing.scale_checkpoint import scale_only_checkpoint
 
 from kvscale_plugin.cli import build_parser
-from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 HOSTS = ("vllm", "sglang")
 #: What building the parser must not cost: torch and what imports it.
 HEAVY = ("torch", "transformers", "compressed_tensors", *HOSTS)
-
-
-def _tiny_checkpoint(path: Path) -> Path:
-    """config.json (a kv_cache_scheme) + per-layer k/v scales, written without torch."""
-    path.mkdir()
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "hidden_size": 64,
-        "quantization_config": {
-            "quant_method": "compressed-tensors",
-            "config_groups": {},
-            "format": "dense",
-            "kv_cache_scheme": FP8_KV_SCHEME,
-        },
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    tensors = {
-        f"model.layers.{i}.self_attn.{kind}_scale": np.array([value], dtype=np.float32)
-        for i in range(2)
-        for kind, value in (("k", 0.5), ("v", 0.25))
-    }
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
 
 
 def _imported(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
@@ -80,7 +49,7 @@ def test_help_imports_no_torch_and_no_host(argv):
 
 @pytest.fixture(scope="module")
 def inspected(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], set[str]]:
-    model = _tiny_checkpoint(tmp_path_factory.mktemp("cli-imports") / "tiny")
+    model = scale_only_checkpoint(tmp_path_factory.mktemp("cli-imports") / "tiny")
     return _imported("inspect", str(model))
 
 
