@@ -66,6 +66,11 @@ def _custom_backend() -> bool:
     return register_backend()
 
 
+def _deployment_check() -> None:
+    """Nothing to patch: the KV method runs the check (``deployment.check_deployment``)
+    while this feature is installed."""
+
+
 #: Installers in order; ``scales`` first (the others need its classes). One returning
 #: False did not apply here (e.g. the CPU write on a GPU platform): not installed, not lost.
 INSTALLERS: dict[str, Callable[[], Any]] = {
@@ -75,6 +80,7 @@ INSTALLERS: dict[str, Callable[[], Any]] = {
     "mtp-drafts": _mtp_drafts,
     "cpu-write": _cpu_write,
     "custom-backend": _custom_backend,
+    "deployment-check": _deployment_check,
 }
 
 

@@ -20,6 +20,8 @@ Features (``FEATURES``), each all or nothing:
 * ``mtp-drafts`` -- MTP draft layers get their own checkpoint scales.
 * ``cpu-write`` -- round-to-nearest-even FP8 cache write on vLLM's CPU platform.
 * ``custom-backend`` -- ``--attention-backend CUSTOM``: the fused Triton FP8 cache write.
+* ``deployment-check`` -- an engine spanning several nodes starts only when every rank
+  serves with kvscale, of one version.
 
 Targets are checked live (imported, resolved, signatures read) when registering, except
 ``lazy`` ones, whose modules are heavy or platform-specific and are imported by vLLM later
@@ -55,6 +57,8 @@ FEATURES: dict[str, str] = {
     "cpu-write": "round-to-nearest-even FP8 cache write on vLLM's CPU platform (vLLM's own "
     "write truncates)",
     "custom-backend": "--attention-backend CUSTOM: the fused Triton FP8 cache write",
+    "deployment-check": "a multi-node engine whose ranks do not all serve with kvscale (of "
+    "one version) refuses to start, naming them",
 }
 
 #: vLLM releases the adapter is tested with: run in CI (CPU builds) ...
@@ -346,6 +350,11 @@ INTERNALS: tuple[Internal, ...] = (
         "per-tensor FP8 caches only",
         lazy=True,
     ),
+    # -- deployment-check
+    _i(
+        "vllm.config", "ParallelConfig.nnodes", "deployment-check", "whether the engine spans nodes"
+    ),
+    _i("vllm.config", "ParallelConfig.node_rank", "deployment-check", "names a rank's node"),
 )
 
 

@@ -227,9 +227,12 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         cfg = self.quant_config
         # In an engine's worker process, by now: its reload entry points get kvscale's
         # after-reload check (see reload.install_worker_wrappers; idempotent, cheap).
+        from kvscale_plugin.hosts.vllm.deployment import check_deployment
         from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
 
         ensure_worker_wrappers()
+        # An engine spanning several nodes: every rank serves with kvscale (once per process).
+        check_deployment()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
         # A new load cycle for this layer: what an earlier cycle found corrupt is moot.
