@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _server import free_port, lost_port_race
+from _server import PORT_ATTEMPTS, free_port, lost_port_race
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import cpu_runs_fp8_cache
 
@@ -29,7 +29,6 @@ pytestmark = pytest.mark.engine
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "_two_node.py")
-ATTEMPTS = 2
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def tiny(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("two-node") / "tiny", spec)
 
 
-def _env(tmp_path: Path, node: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+def _env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, "TMPDIR": str(tmp_path), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.update(extra or {})
@@ -58,14 +57,14 @@ def _two_nodes(
     timeout: int = 600,
 ) -> subprocess.CompletedProcess[str]:
     """Start node 1 (headless), then run node 0 (the leader) to its end; node 1 is torn
-    down either way. Retried once when a port was taken between choosing and binding."""
+    down either way. Retried when a port was taken between choosing and binding."""
     ids = json.dumps(list(reference_token_ids(model))[:12])
-    for _ in range(ATTEMPTS):
+    for _ in range(PORT_ATTEMPTS):
         port = str(free_port())
         log = (tmp_path / f"node1-{port}.log").open("w")
         node1 = subprocess.Popen(
             [sys.executable, SCRIPT, "headless", str(model), port, parallel, node1_quant, kv_dtype],
-            env=_env(tmp_path, 1, node1_env),
+            env=_env(tmp_path, node1_env),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -86,7 +85,7 @@ def _two_nodes(
                     "kvscale",
                     kv_dtype,
                 ],
-                env=_env(tmp_path, 0, leader_env),
+                env=_env(tmp_path, leader_env),
                 stdout=out,
                 stderr=err,
                 text=True,
