@@ -35,3 +35,20 @@ def info_once(cause: str, message: str, *args: object) -> bool:
         _seen.add(cause)
     logger.info(message, *args)
     return True
+
+
+def follow_host_logging(host_logger: str) -> bool:
+    """Show kvscale's records the way the host shows its own (its handlers and level),
+    when the user has not configured kvscale's logger: without this a host that keeps
+    its logs to itself (vLLM's ``vllm`` logger does not propagate) shows only kvscale's
+    warnings, through Python's last-resort handler, and never its INFO lines.
+
+    Records still propagate (to whatever the user or a test attached to the root).
+    Returns whether kvscale's logger now follows ``host_logger``."""
+    host = logging.getLogger(host_logger)
+    if logger.handlers or logger.level != logging.NOTSET or not host.handlers:
+        return False  # configured by the user already, or nothing to follow
+    for handler in host.handlers:
+        logger.addHandler(handler)
+    logger.setLevel(host.getEffectiveLevel())
+    return True

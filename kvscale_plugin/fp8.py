@@ -22,6 +22,15 @@ FP8_E4M3_MAX = 448.0
 FLOAT32_EPS = 2.0**-23
 #: ``torch.finfo(torch.float32).max``: the largest finite float32.
 FLOAT32_MAX = (2.0 - 2.0**-23) * 2.0**127
+#: The range a calibrated scale lies in. A scale is ``amax / 448``; K and V of real models
+#: peak between ~0.1 and a few hundred (SmolLM2-135M: K 10-25, V 0.6-18 per layer), so real
+#: scales lie around 1e-4..1. Outside [2**-27 (7.5e-9), 1e4] the cache could hold nothing
+#: above 3.3e-6, or would need K/V of 4.5 million (68x float16's largest value): no calibration
+#: gives that; uninitialised memory does (llm-compressor's never-calibrated ``q_scale``:
+#: 2e24, 8.8e-39). Wide on purpose: a refusal of a real checkpoint costs more than a scale
+#: 100x off, which ``kvscale calibrate --check`` shows.
+PLAUSIBLE_SCALE_MIN = 2.0**-27  # exact in float32, where loaded scales are judged
+PLAUSIBLE_SCALE_MAX = 1e4
 
 
 def scale_shape(num_heads: int | None) -> tuple[int, ...]:

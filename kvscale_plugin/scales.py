@@ -11,21 +11,27 @@ value can pass for "missing".
                                 so a reload never compounds it)
 
 A scale is a per-tensor scalar, or -- for ``strategy: attn_head`` -- one value
-per KV head. Every element must be a positive finite float; a bad one is
-reported, naming the tensor and the head, together with every other bad tensor
-in one error.
+per KV head. Every element must be a positive finite float in the plausible range
+(``fp8.PLAUSIBLE_SCALE_MIN`` .. ``PLAUSIBLE_SCALE_MAX``); a bad one is reported,
+naming the tensor and the head, together with every other bad tensor in one error.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
 
-from kvscale_plugin.fp8 import FLOAT32_MAX, FP8_E4M3_MAX, per_head_shape_ok
+from kvscale_plugin.fp8 import (
+    FLOAT32_MAX,
+    FP8_E4M3_MAX,
+    PLAUSIBLE_SCALE_MAX,
+    PLAUSIBLE_SCALE_MIN,
+    per_head_shape_ok,
+)
 
 #: Value a host's scale placeholder holds until the checkpoint writes it (vLLM's and
 #: SGLang's loaders and dummy loads need *some* number there). Adapters track what
@@ -87,6 +93,12 @@ def _value_problem(value: float) -> str | None:
         return f"{value} (negative)"
     if value > MAX_SCALE:
         return f"{value} (too large: 448 x scale overflows float32, the cache reads as inf/NaN)"
+    if not PLAUSIBLE_SCALE_MIN <= value <= PLAUSIBLE_SCALE_MAX:
+        return (
+            f"{value:.4g} (implausible: calibrated scales lie between {PLAUSIBLE_SCALE_MIN:g} "
+            f"and {PLAUSIBLE_SCALE_MAX:g}; this looks like uninitialised memory, not a "
+            "calibration)"
+        )
     return None
 
 
@@ -194,6 +206,16 @@ class CorruptScales:
         for key in [k for k in self._records if k[0] == tensor]:
             old = self._records.pop(key)
             self.add([ScaleProblem(as_tensor, old.why, old.head, note)])
+
+    def renamed(self, names: Mapping[str, str]) -> CorruptScales:
+        """A copy with each tensor called ``names[tensor]`` where given: a host adapter
+        records problems by its parameter names and reports them by the checkpoint's
+        (as written on disk, so a user can find them in the file)."""
+        copy = CorruptScales()
+        for problem in self._records.values():
+            disk = names.get(problem.tensor)
+            copy.add([replace(problem, tensor=disk) if disk else problem])
+        return copy
 
     def records(self) -> list[ScaleProblem]:
         return list(self._records.values())

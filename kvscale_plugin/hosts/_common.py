@@ -139,3 +139,39 @@ def warn_unmapped_scales(names: Iterable[str], scope: str = "") -> None:
         len(shown),
         ", ".join(shown),
     )
+
+
+def describe_loaded_layers(layers: Iterable[tuple[str, Any]], pool_dtypes: Iterable[str]) -> str:
+    """One line on what a load cycle gave a set of attention layers: ``layers`` are
+    ``(source, resolved)`` pairs (``ScaleSource`` value, ``ResolvedScales``), ``pool_dtypes``
+    each layer's KV-cache dtype as the host names it. For the INFO line a user reads to
+    know what kvscale did (which scales, which pool)."""
+    pairs = list(layers)
+    pools = sorted(set(pool_dtypes))
+    by_source: dict[str, list[Any]] = {}
+    for source, resolved in pairs:
+        by_source.setdefault(source, []).append(resolved)
+    parts = []
+    scaled = by_source.get("checkpoint", []) + by_source.get("duplicated", [])
+    if scaled:
+        per_head = any(r.per_head for r in scaled)
+        k = [x for r in scaled for x in r.k_heads]
+        v = [x for r in scaled for x in r.v_heads]
+        parts.append(
+            f"{len(scaled)} with the checkpoint's {'per-head' if per_head else 'per-tensor'} "
+            f"scales (k {min(k):.4g}..{max(k):.4g}, v {min(v):.4g}..{max(v):.4g})"
+        )
+    if by_source.get("duplicated"):
+        parts.append(f"{len(by_source['duplicated'])} of them from one kv_scale for k and v")
+    if by_source.get("default"):
+        parts.append(f"{len(by_source['default'])} without scales (1.0: see the warning)")
+    if by_source.get("unscaled"):
+        parts.append(
+            f"{len(by_source['unscaled'])} with a KV cache that does not use scales "
+            "(not FP8, or a scheme kvscale does not serve)"
+        )
+    return (
+        f"kvscale: {len(pairs)} attention layer(s) loaded, KV cache {'/'.join(pools)}: "
+        + "; ".join(parts)
+        + "."
+    )

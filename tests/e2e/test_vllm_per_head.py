@@ -116,8 +116,8 @@ def test_corrupt_head_stops_start_up_naming_layer_and_head(tiny):
         with vllm_engine(ckpt, quantization="kvscale"):
             pass
     text = str(info.value)
-    assert "model.layers.0.self_attn.attn.k_scale[head 1]: NaN" in text
-    assert "model.layers.1.self_attn.attn.v_scale[head 0]: 0" in text
+    assert "model.layers.0.self_attn.k_scale[head 1]: NaN" in text
+    assert "model.layers.1.self_attn.v_scale[head 0]: 0" in text
     assert text.count("\n  - ") == 2
 
 
@@ -128,7 +128,7 @@ def test_wrong_head_count_is_a_clear_error(tiny):
         with vllm_engine(ckpt, quantization="kvscale"):
             pass
     text = str(info.value)
-    assert "model.layers.0.self_attn.attn.k_scale: shape (3, 1, 1) does not match" in text
+    assert "model.layers.0.self_attn.k_scale: shape (3, 1, 1) does not match" in text
     assert "expects [2, 1, 1] or [2]" in text
 
 

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import io
 import json
+import logging
 import math
 import os
 import pickle
@@ -89,14 +90,14 @@ def test_corrupt_values_of_every_dtype_named_in_one_error(tiny):
     text = _engine_error(ckpt)
     assert "CorruptScaleError" in text, text
     for expected in (
-        "model.layers.0.self_attn.attn.k_scale: 0",
-        "model.layers.1.self_attn.attn.v_scale: inf (infinite)",
-        "model.layers.2.self_attn.attn.k_scale: NaN",
-        "model.layers.3.self_attn.attn.v_scale: -1.0 (negative)",
-        "model.layers.3.self_attn.attn.k_scale: shape (2,) is not a per-tensor scalar",
+        "model.layers.0.self_attn.k_scale: 0",
+        "model.layers.1.self_attn.v_scale: inf (infinite)",
+        "model.layers.2.self_attn.k_scale: NaN",
+        "model.layers.3.self_attn.v_scale: -1.0 (negative)",
+        "model.layers.3.self_attn.k_scale: shape (2,) is not a per-tensor scalar",
     ):
         assert expected in text, text
-    assert "model.layers.0.self_attn.attn.v_scale" not in text  # the good ones are not named
+    assert "model.layers.0.self_attn.v_scale" not in text  # the good ones are not named
 
 
 def test_per_head_nan_head_and_wrong_length_named(tiny):
@@ -112,9 +113,9 @@ def test_per_head_nan_head_and_wrong_length_named(tiny):
     )
     assert run_inspect(str(ckpt)) == 1
     text = _engine_error(ckpt)
-    assert "model.layers.0.self_attn.attn.k_scale[head 1]: NaN" in text, text
+    assert "model.layers.0.self_attn.k_scale[head 1]: NaN" in text, text
     assert (
-        "model.layers.1.self_attn.attn.v_scale: shape (3, 1, 1) does not match the "
+        "model.layers.1.self_attn.v_scale: shape (3, 1, 1) does not match the "
         "model's 2 KV heads" in text
     ), text
     assert "k_scale[head 0]" not in text
@@ -154,16 +155,17 @@ def test_scheme_of_the_wrong_type_starts_unscaled_with_one_warning(tiny, kvscale
 
 
 def test_odd_but_valid_scales_load_exactly(tiny):
-    """f16 [1], bf16 0-d, f64 [1, 1, 1], a tiny (1e-30) and a huge (1e30) scale: all
-    positive finite float32 numbers, so the engine starts and holds them as given."""
+    """f16 [1], bf16 0-d, f64 [1, 1, 1], a tiny (2e-8) and a huge (9e3) scale: all
+    positive finite float32 numbers inside the plausible range [2**-27, 1e4], so the engine
+    starts and holds them as given."""
     odd = {
         "model.layers.0.self_attn.k_scale": torch.tensor([4.0], dtype=torch.float16),
         "model.layers.0.self_attn.v_scale": torch.tensor(3.0, dtype=torch.bfloat16),
-        "model.layers.1.self_attn.k_scale": torch.tensor([[[1e-30]]], dtype=torch.float64),
-        "model.layers.1.self_attn.v_scale": torch.tensor([1e30], dtype=torch.float32),
+        "model.layers.1.self_attn.k_scale": torch.tensor([[[2e-8]]], dtype=torch.float64),
+        "model.layers.1.self_attn.v_scale": torch.tensor([9e3], dtype=torch.float32),
     }
     ckpt = tiny("fuzz-odd-valid", num_layers=2, extra_tensors=odd)
-    want = {0: (4.0, 3.0), 1: (_f32(1e-30), _f32(1e30))}
+    want = {0: (4.0, 3.0), 1: (_f32(2e-8), _f32(9e3))}
     with vllm_engine(ckpt, quantization="kvscale") as llm:
         scales = layer_scales(llm)
         logprobs = teacher_forced_logprobs(llm, reference_token_ids(ckpt)[:16])
@@ -282,3 +284,74 @@ def test_no_code_from_checkpoints(tiny, tmp_path):
     for name, s in scales.items():
         assert s.k == pytest.approx(stored[layer_index(name)]["k"], rel=1e-6)
     assert not marker.exists(), marker.read_text()
+
+
+# ------------------------------------------------- q scales, and the INFO line at start-up
+
+# What llm-compressor 0.14's attention-quantization example saves for a q it never
+# calibrated on a CPU (uninitialised memory), one value per layer: negative, infinite,
+# and positive but absurd.
+UNCALIBRATED_Q = (-5e21, math.inf, 2e24, 8.8e-39)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "auto"])
+def test_unread_corrupt_q_scales_warn_once_and_serve(tiny, caplog, kv_cache_dtype):
+    """A q scale that no attention here reads (vLLM's CPU attention never quantizes
+    queries) does not stop the engine: one warning names every checkpoint tensor as it is
+    on disk, the layers serve with the checkpoint's k/v scales (FP8 pool under ``auto``)
+    and a q scale of 1.0."""
+    caplog.set_level(logging.INFO, logger="kvscale_plugin")
+    scales = {i: (0.05 * (i + 1), 0.02 * (i + 1)) for i in range(4)}
+    q = {
+        f"model.layers.{i}.self_attn.q_scale": torch.tensor([value], dtype=torch.bfloat16)
+        for i, value in enumerate(UNCALIBRATED_Q)
+    }
+    ckpt = tiny("uncalibrated-q", num_layers=4, scales=scales, extra_tensors=q)
+    with vllm_engine(ckpt, quantization="kvscale", kv_cache_dtype=kv_cache_dtype) as llm:
+        held = layer_scales(llm)
+        context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        q_held = {
+            name: float(layer._q_scale.reshape(-1)[0])
+            for name, layer in context.items()
+            if hasattr(layer, "_q_scale")
+        }
+        logprobs = teacher_forced_logprobs(llm, reference_token_ids(ckpt)[:16])
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("kvscale_plugin")]
+    q_warnings = [m for m in messages if "query-scale" in m]
+    assert len(q_warnings) == 1, messages
+    for i in range(4):
+        assert f"model.layers.{i}.self_attn.q_scale" in q_warnings[0], q_warnings
+    assert "self_attn.attn.q_scale" not in q_warnings[0]  # vLLM's name is not in the file
+    for why in ("(negative)", "(infinite)", "implausible"):
+        assert why in q_warnings[0], q_warnings
+    assert set(q_held.values()) == {1.0}, q_held
+    assert all(math.isfinite(x) for x in logprobs)
+    fp8 = kv_cache_dtype == "auto"
+    for name, s in held.items():
+        want = scales[layer_index(name)] if fp8 else (1.0, 1.0)
+        assert (s.k, s.v) == pytest.approx(want, rel=1e-6), s
+        assert s.source == ("checkpoint" if fp8 else "unscaled"), s
+    # What kvscale did, in one INFO line per load (vLLM's default log level shows it).
+    loaded = [m for m in messages if "attention layer(s) loaded" in m]
+    assert len(loaded) == 1, messages
+    if fp8:
+        assert "KV cache fp8" in loaded[0] and "4 with the checkpoint's per-tensor" in loaded[0]
+        assert "k 0.05..0.2, v 0.02..0.08" in loaded[0], loaded
+    else:
+        assert (
+            "KV cache bfloat16" in loaded[0] and "4 with a KV cache that does not use" in loaded[0]
+        ), loaded
+
+
+def test_corrupt_q_scale_is_refused_where_attention_reads_it(tiny, monkeypatch):
+    """Where queries are quantized with the q scale (FP8 attention on a GPU), a corrupt one
+    is refused with the k/v scales' error, naming the checkpoint tensor. Run here by
+    giving the CPU layers a query quantizer, which is what decides it."""
+    from kvscale_plugin.hosts.vllm import method
+
+    q = {"model.layers.1.self_attn.q_scale": torch.tensor([2e24])}
+    ckpt = tiny("uncalibrated-q-read", num_layers=2, extra_tensors=q)
+    monkeypatch.setattr(method, "_reads_q_scale", lambda layer: True)
+    text = _engine_error(ckpt)
+    assert "CorruptScaleError" in text, text
+    assert "model.layers.1.self_attn.q_scale: 2e+24 (implausible" in text, text

@@ -70,7 +70,7 @@ def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
         with pytest.raises(CorruptScaleError) as info:
             reload_weights(llm, one_bad)
         text = str(info.value)
-        assert "model.layers.1.self_attn.attn.k_scale: NaN" in text, text
+        assert "model.layers.1.self_attn.k_scale: NaN" in text, text
         assert "every attention layer keeps the KV scales it had" in text
         assert "other weights are in place" in text
         assert resets == ["mm"]  # the runner finished its reload before the error
@@ -88,8 +88,8 @@ def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
             reload_weights(llm, all_bad)
         text = str(info.value)
         for i in range(2):
-            assert f"model.layers.{i}.self_attn.attn.k_scale: NaN" in text, text
-            assert f"model.layers.{i}.self_attn.attn.v_scale: -1.0 (negative)" in text, text
+            assert f"model.layers.{i}.self_attn.k_scale: NaN" in text, text
+            assert f"model.layers.{i}.self_attn.v_scale: -1.0 (negative)" in text, text
         assert _held(llm) == {0: (6.0, 7.0), 1: GOOD[1]}
         assert _generates(llm)
 
@@ -114,7 +114,7 @@ def test_weight_transfer_session_with_corrupt_scales_is_refused_and_ended(tiny):
         with pytest.raises(CorruptScaleError) as info:
             worker.finish_weight_update()
         text = str(info.value)
-        assert "model.layers.1.self_attn.attn.k_scale: inf (infinite)" in text, text
+        assert "model.layers.1.self_attn.k_scale: inf (infinite)" in text, text
         assert _held(llm) == GOOD
         assert not worker._weight_update_active
         assert _generates(llm)

@@ -359,12 +359,13 @@ def scale_inputs(draw: st.DrawFn) -> tuple[Any, int | None]:
     return tensor, num_heads
 
 
-# 448 x scale must be a finite float32 (dequantizing the cache multiplies by it).
-_MAX_SCALE = torch.finfo(torch.float32).max / 448.0
+# A calibrated scale lies in [2**-27, 1e4] (fp8.PLAUSIBLE_SCALE_MIN / _MAX), well inside
+# what keeps 448 x scale a finite float32 (dequantizing the cache multiplies by it).
+_MIN_SCALE, _MAX_SCALE = 2.0**-27, 1e4
 
 
 def _bad(x: float) -> bool:
-    return not (math.isfinite(x) and 0.0 < x <= _MAX_SCALE)
+    return not (math.isfinite(x) and _MIN_SCALE <= x <= _MAX_SCALE)
 
 
 def _oracle(name: str, value: Any, num_heads: int | None) -> set[str]:
@@ -442,14 +443,21 @@ def test_check_scales_names_every_bad_tensor_at_once() -> None:
         ("d.k_scale", torch.tensor(1e-45)),
         ("d.v_scale", torch.tensor(1e30)),
         ("e.k_scale", torch.tensor(3e38)),
+        ("f.k_scale", torch.tensor(2.0**-27)),
+        ("f.v_scale", torch.tensor(1e4)),
     ]
     COUNTS["scale_problems"] += 1
     with pytest.raises(CorruptScaleError) as info:
         check_scales(named)
     text = str(info.value)
-    for name in ("a.k_scale", "b.k_scale", "b.v_scale", "c.k_scale", "c.v_scale", "e.k_scale"):
+    bad = ("a.k_scale", "b.k_scale", "b.v_scale", "c.k_scale", "c.v_scale")
+    # Positive and finite but no calibration gives them (uninitialised memory does).
+    implausible = ("d.k_scale", "d.v_scale", "e.k_scale")
+    for name in (*bad, *implausible):
         assert f"- {name}:" in text, text
-    for name in ("a.v_scale", "d.k_scale", "d.v_scale"):  # positive, finite: servable
+    for name in ("d.k_scale", "d.v_scale"):
+        assert "implausible" in text.split(f"- {name}:")[1].split("\n")[0], text
+    for name in ("a.v_scale", "f.k_scale", "f.v_scale"):  # in range (edges included): servable
         assert f"- {name}:" not in text, text
 
 

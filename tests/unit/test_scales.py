@@ -113,6 +113,35 @@ def test_per_head_accepted_layouts(value):
 def test_scale_whose_cache_read_overflows_is_corrupt():
     # 448 x 3e38 overflows float32: the cache would read back as inf/NaN.
     assert "too large" in scale_problem(torch.tensor([3e38]))
-    assert scale_problem(torch.tensor([1e30])) is None
     with pytest.raises(CorruptScaleError, match="too large"):
         resolve_kv_scales(1.0, 3e38)
+
+
+@pytest.mark.parametrize("value", [2e24, 1e30, 8.8e-39, 1e-45, 1.0001e4, 7.4e-9])
+def test_implausible_positive_scale_is_corrupt(value):
+    # llm-compressor's never-calibrated q_scale values: positive, finite, uninitialised.
+    why = scale_problem(torch.tensor([value]))
+    assert why is not None and "implausible" in why and "uninitialised" in why, why
+
+
+@pytest.mark.parametrize("value", [2.0**-27, 1e-8, 2.2e-7, 0.0559, 1.0, 576.0, 1e4])
+def test_plausible_scale_is_served(value):
+    assert scale_problem(torch.tensor([value], dtype=torch.float64)) is None
+
+
+def test_plausible_range_is_checked_per_head():
+    problems = scale_problems("k_scale", torch.tensor([[[0.05]], [[2e24]]]), num_heads=2)
+    assert list(problems) == ["k_scale[head 1]"] and "implausible" in problems["k_scale[head 1]"]
+
+
+def test_corrupt_scales_renamed_to_checkpoint_names_keep_heads_and_notes():
+    from kvscale_plugin.scales import CorruptScales, scale_problem_records
+
+    corrupt = CorruptScales()
+    corrupt.add(
+        scale_problem_records("m.l0.attn.k_scale", torch.tensor([[[1.0]], [[-1.0]]]), num_heads=2)
+    )
+    corrupt.add(scale_problem_records("m.l1.attn.v_scale", torch.tensor(math.nan)))
+    named = corrupt.renamed({"m.l0.attn.k_scale": "m.l0.k_proj.output_scale"})
+    assert set(named.as_mapping()) == {"m.l0.k_proj.output_scale[head 1]", "m.l1.attn.v_scale"}
+    assert set(corrupt.as_mapping()) == {"m.l0.attn.k_scale[head 1]", "m.l1.attn.v_scale"}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin._log import follow_host_logging, logger, warn_once
 
 #: vLLM releases this adapter is tested against: run (CPU builds) and checked statically.
 TESTED_VLLM_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
@@ -40,6 +40,9 @@ def register() -> None:
         try:
             from kvscale_plugin.hosts.vllm.install import install_all
 
+            # vLLM's own logger does not propagate: show kvscale's INFO lines through
+            # its handlers (level: VLLM_LOGGING_LEVEL), as vLLM shows its own.
+            follow_host_logging("vllm")
             install_all()
             _registered = True
             logger.debug("kvscale: registered quantization method '%s'", QUANTIZATION_METHOD)

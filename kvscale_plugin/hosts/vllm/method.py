@@ -30,17 +30,19 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import info_once
+from kvscale_plugin._log import info_once, logger, warn_once
 from kvscale_plugin.hosts._common import (
     announce_verdict,
     check_zero_point,
     claims_checkpoint,
+    describe_loaded_layers,
     no_checkpoint_config_error,
     warn_missing_scales,
     warn_unmapped_scales,
 )
 from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
+from kvscale_plugin.hosts.vllm.served import HeadLayout, write_scales
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
@@ -54,7 +56,6 @@ from kvscale_plugin.scales import (
     ResolvedScales,
     ScaleSource,
     per_head_shape_ok,
-    rank_kv_heads,
     resolve_kv_scales,
     scale_problem_records,
     unscaled,
@@ -95,6 +96,7 @@ class _HookRenaming:
         if not self.config.has_attention_layer_for(mapped):
             self.config.unmapped_scales.add(key)
             return _UNMAPPED_PREFIX + key, None
+        self.config.checkpoint_names[mapped] = key  # messages name the file's tensor
         return mapped, None
 
 
@@ -119,8 +121,13 @@ class KVScaleConfig(CompressedTensorsConfig):
             # Exposed only when supported: Attention flips `auto` to FP8 on it.
             self.kv_cache_scheme = None
         self.model_type: str | None = None
-        # Checkpoint tensors whose loaded value cannot be served (this load cycle).
+        # Checkpoint tensors whose loaded value cannot be served (this load cycle): k/v
+        # (and q where attention reads it) stop the engine; q alone, where nothing reads
+        # it, is warned about (``corrupt_q_scales``).
         self.corrupt_scales = CorruptScales()
+        self.corrupt_q_scales = CorruptScales()
+        # vLLM parameter name -> the checkpoint tensor it was loaded from (as on disk).
+        self.checkpoint_names: dict[str, str] = {}
         # Checkpoint KV-scale tensors that name no attention layer of this model.
         self.unmapped_scales: set[str] = set()
         # The main stack's depth and the checkpoint's MTP (draft) layer count, from the
@@ -134,17 +141,20 @@ class KVScaleConfig(CompressedTensorsConfig):
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
+        self._load_cycle = _LoadCycle()
 
     # The config travels to the engine-core / worker processes by pickle; the
     # registry of live attention layers is per process.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_attention_layers", None)
+        state.pop("_load_cycle", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._attention_layers = weakref.WeakValueDictionary()
+        self._load_cycle = _LoadCycle()
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANTIZATION_METHOD
@@ -187,6 +197,11 @@ class KVScaleConfig(CompressedTensorsConfig):
             orig_to_new_regex={re.compile("^" + re.escape(_UNMAPPED_PREFIX)): None},
         )
         return ours | stock
+
+    def on_disk(self, corrupt: CorruptScales) -> CorruptScales:
+        """``corrupt`` with every tensor named as the checkpoint writes it (where the
+        name mapping saw it), so a user can find it in the file."""
+        return corrupt.renamed(self.checkpoint_names)
 
     def has_attention_layer_for(self, param_name: str) -> bool:
         """Whether a mapped ``<layer>.{k,v,q}_scale`` name targets an attention layer
@@ -235,9 +250,11 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         check_deployment()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
+        cfg._load_cycle.pending.add(layer_name)
         # A new load cycle for this layer: what an earlier cycle found corrupt is moot.
         cfg.corrupt_scales.forget_under(layer_name)
-        heads = _HeadLayout.for_layer(cfg, layer) if cfg.kv_verdict.per_head else None
+        cfg.corrupt_q_scales.forget_under(layer_name)
+        heads = HeadLayout.for_layer(cfg, layer) if cfg.kv_verdict.per_head else None
         layer.kvscale_heads = heads.local if heads is not None else None
         for name in _SCALE_NAMES:
             per_head = heads is not None and name != "prob_scale"
@@ -248,7 +265,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 requires_grad=False,
             )
             param.weight_loader = _scale_loader(
-                cfg.corrupt_scales,
+                cfg.corrupt_q_scales if name == "q_scale" else cfg.corrupt_scales,
                 f"{layer_name}.{name}",
                 heads if per_head else None,
                 is_query=name == "q_scale",
@@ -278,6 +295,11 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         applies = (cfg.kv_verdict.supported or not cfg.kv_verdict.declared) and (
             is_quantized_kv_cache(layer.kv_cache_dtype)
         )
+        if cfg.corrupt_q_scales:
+            if applies and _reads_q_scale(layer):
+                cfg.corrupt_scales.update(cfg.corrupt_q_scales)  # refused with k/v below
+            else:
+                _warn_unread_q_scales(cfg)
         if applies and cfg.corrupt_scales:
             if cfg.reload_in_progress:
                 # An in-place reload: raising here would leave vLLM's layerwise reload
@@ -287,7 +309,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
                     delattr(layer, name)
                 return
-            raise CorruptScaleError(cfg.corrupt_scales.message())
+            raise CorruptScaleError(cfg.on_disk(cfg.corrupt_scales).message())
 
         fnuz = current_platform.is_fp8_fnuz()
         if applies:
@@ -316,100 +338,38 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             q_heads = (1.0,)
             prob = 1.0
 
-        _write_scales(layer, resolved, q_heads, prob)
+        write_scales(layer, resolved, q_heads, prob)
         layer.kvscale_source = resolved.source.value
+        cfg._load_cycle.done(
+            getattr(layer, "layer_name", type(layer).__name__),
+            resolved,
+            str(layer.kv_cache_dtype),
+            draft=getattr(layer, "kvscale_draft", False),
+        )
         for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
             delattr(layer, name)
 
 
-class _HeadLayout:
-    """Which of a layer's checkpoint heads this tensor-parallel rank holds.
+class _LoadCycle:
+    """The layers of one load cycle in this process (built, then processed): when the
+    last one is processed, one INFO line says what they were given (``--quantization
+    kvscale`` otherwise says nothing at vLLM's default log level)."""
 
-    The same rule as stock vLLM: KV heads are partitioned over ranks when there are
-    at least as many as ranks, and replicated (one per rank) below that.
-    """
+    def __init__(self) -> None:
+        self.pending: set[str] = set()
+        self.processed: dict[str, tuple[ResolvedScales, str]] = {}
 
-    def __init__(self, total_kv: int, total_q: int, local: int, rank: int, size: int) -> None:
-        self.total_kv, self.total_q, self.local = total_kv, total_q, local
-        heads = rank_kv_heads(total_kv, rank, size)
-        if len(heads) != local:
-            raise ValueError(
-                f"kvscale: cannot place {total_kv} KV heads on {size} tensor-parallel "
-                f"ranks holding {local} head(s) each"
-            )
-        self.start = heads[0]
-
-    @classmethod
-    def for_layer(cls, cfg: KVScaleConfig, layer: torch.nn.Module) -> _HeadLayout:
-        from vllm.distributed import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
+    def done(self, name: str, resolved: ResolvedScales, pool: str, *, draft: bool) -> None:
+        self.pending.discard(name)
+        self.processed[name] = (resolved, pool)
+        if self.pending:
+            return
+        line = describe_loaded_layers(
+            ((r.source.value, r) for r, _ in self.processed.values()),
+            (pool for _, pool in self.processed.values()),
         )
-
-        local = int(layer.num_kv_heads)
-        size = get_tensor_model_parallel_world_size()
-        total_kv = cfg.total_num_kv_heads or local * size
-        total_q = cfg.total_num_heads or int(layer.num_heads) * size
-        return cls(total_kv, total_q, local, get_tensor_model_parallel_rank(), size)
-
-    def take(self, values: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-        """This rank's KV heads of a flattened per-head vector (q: reduced by max per group)."""
-        if is_query and values.numel() == self.total_q != self.total_kv:
-            values = values.reshape(self.total_kv, -1).amax(dim=1)
-        return values[self.start : self.start + self.local]
-
-
-def _write_scales(
-    layer: torch.nn.Module, resolved: ResolvedScales, q_heads: tuple[float, ...], prob: float
-) -> None:
-    """Update device tensors in place (kernels and CUDA graphs hold them), then host copies.
-
-    Per-head layers hold one value per local KV head in ``_k_scale`` / ``_v_scale`` /
-    ``_q_scale`` (as stock vLLM lays them out); the Python floats and CPU copies hold
-    the per-layer max, which is what one-scale paths (CPU attention) read."""
-    for name, values in (
-        ("_k_scale", resolved.k_heads),
-        ("_v_scale", resolved.v_heads),
-        ("_q_scale", q_heads),
-    ):
-        _fill_device(layer, name, values)
-    layer._prob_scale.fill_(prob)
-    if getattr(layer, "kvscale_heads", None) is not None:
-        # Device copies of the per-layer max, for one-scale GPU paths (kvscale's CUSTOM
-        # backend writes and reads a per-head layer's cache with them).
-        _fill_device(layer, "_kvscale_k_max", (resolved.k,), scalar=True)
-        _fill_device(layer, "_kvscale_v_max", (resolved.v,), scalar=True)
-    layer._k_scale_float = resolved.k
-    layer._v_scale_float = resolved.v
-    layer._q_scale_float = max(q_heads)
-    layer._prob_scale_float = prob
-    for name, value in (("_k_scale_cpu", resolved.k), ("_v_scale_cpu", resolved.v)):
-        host = getattr(layer, name, None)
-        if isinstance(host, torch.Tensor):
-            host.fill_(value)
-        else:
-            setattr(layer, name, torch.tensor(value, dtype=torch.float32))
-
-
-def _fill_device(
-    layer: torch.nn.Module, name: str, values: tuple[float, ...], *, scalar: bool = False
-) -> None:
-    current: torch.Tensor | None = getattr(layer, name, None)
-    if current is None:  # first load: a new buffer beside _k_scale, on its device
-        layer.register_buffer(
-            name, torch.tensor(values[0], dtype=torch.float32, device=layer._k_scale.device)
-        )
-        return
-    heads = None if scalar else getattr(layer, "kvscale_heads", None)
-    if heads is None:
-        current.fill_(values[0] if len(values) == 1 else max(values))
-        return
-    target = torch.tensor(values, dtype=torch.float32).expand(heads)
-    if tuple(current.shape) == (heads,):
-        current.copy_(target)  # reloads: same buffer, new values
-    else:
-        # First load of a per-head layer: the scalar default becomes one per head.
-        layer.register_buffer(name, target.to(current.device).clone())
+        logger.info("%s%s", "(MTP draft) " if draft else "", line)
+        self.processed.clear()
 
 
 # Loaders are plain functions (not functools.partial): vLLM's in-place reload
@@ -417,7 +377,7 @@ def _fill_device(
 def _scale_loader(
     corrupt: CorruptScales,
     tensor_name: str,
-    heads: _HeadLayout | None = None,
+    heads: HeadLayout | None = None,
     *,
     is_query: bool = False,
 ) -> Callable[..., None]:
@@ -485,6 +445,33 @@ def _warn_missing_scales(cfg: KVScaleConfig, *, draft: bool = False) -> None:
             and not getattr(layer.v_scale, "kvscale_loaded", False)
         ),
         f"{cfg.warn_scope}{DRAFT_SCOPE}" if draft else cfg.warn_scope,
+    )
+
+
+def _reads_q_scale(layer: torch.nn.Module) -> bool:
+    """Whether this layer's attention may read its q scale: it quantizes queries
+    (``query_quant``, FP8 attention), or it runs on a GPU platform, where some backends
+    (FlashInfer, FlashMLA, ROCm AITER) read ``_q_scale`` by themselves. vLLM's CPU
+    attention never reads it."""
+    return getattr(layer, "query_quant", None) is not None or not current_platform.is_cpu()
+
+
+def _warn_unread_q_scales(cfg: KVScaleConfig) -> None:
+    """Once per engine: corrupt q scales that no attention in use reads are ignored."""
+    problems = cfg.on_disk(cfg.corrupt_q_scales).records()
+    shown = "; ".join(f"{p.label}: {p.why}" for p in sorted(problems, key=lambda p: p.label)[:4])
+    more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
+    warn_once(
+        f"{cfg.warn_scope}q-scales-unread",
+        "kvscale: %d query-scale value(s) in the checkpoint cannot be used (%s%s). No "
+        "attention here reads a q scale (vLLM's CPU attention, or no FP8 query "
+        "quantization), so they are ignored and the engine serves; the KV cache does not "
+        "use them. A backend that quantizes queries (FP8 attention on a GPU) would refuse "
+        "them: re-calibrate the checkpoint's attention (llm-compressor) or drop these "
+        "tensors before serving there.",
+        len(problems),
+        shown,
+        more,
     )
 
 

@@ -76,14 +76,14 @@ def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: KVScal
         if param is None or loader is None:
             unmapped.add(name)
             continue
-        cfg.corrupt_scales.forget(name)  # what an earlier load of it said is moot
+        for corrupt in (cfg.corrupt_scales, cfg.corrupt_q_scales):
+            corrupt.forget(name)  # what an earlier load of it said is moot
         loader(param, tensor)
         # The loader names a problem by the draft layer's engine name, which is not in
         # the file: name the checkpoint's tensor instead.
         draft_layer = layers[ordinal].layer_name
-        cfg.corrupt_scales.refile(
-            f"{draft_layer}.{kind}", name, note=f"MTP draft layer {draft_layer}"
-        )
+        for corrupt in (cfg.corrupt_scales, cfg.corrupt_q_scales):
+            corrupt.refile(f"{draft_layer}.{kind}", name, note=f"MTP draft layer {draft_layer}")
     if unmapped:
         warn_unmapped_scales(unmapped, f"{cfg.warn_scope}{DRAFT_SCOPE}")
 

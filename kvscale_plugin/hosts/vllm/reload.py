@@ -85,7 +85,7 @@ def _corrupt_scales(layers: _Layers) -> CorruptScales:
         if (verdict.supported or not verdict.declared) and is_quantized_kv_cache(
             served.layer.kv_cache_dtype
         ):
-            corrupt.update(served.cfg.corrupt_scales)
+            corrupt.update(served.cfg.on_disk(served.cfg.corrupt_scales))
     return corrupt
 
 
@@ -152,6 +152,7 @@ def _initialize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         for cfg in _kvscale_configs(_kvscale_layers(model)):
             cfg.corrupt_scales.clear()
+            cfg.corrupt_q_scales.clear()
             cfg.mtp_scales_seen.clear()
         return original(model, *args, **kwargs)
 

@@ -1,0 +1,104 @@
+"""How a kvscale attention layer holds its served scales in vLLM: which checkpoint heads
+a tensor-parallel rank keeps (``HeadLayout``) and the in-place update of the tensors
+vLLM's kernels read (``write_scales``). Used by ``method`` (start-up loads and reloads)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvscale_plugin.scales import ResolvedScales, rank_kv_heads
+
+if TYPE_CHECKING:
+    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
+
+
+class HeadLayout:
+    """Which of a layer's checkpoint heads this tensor-parallel rank holds.
+
+    The same rule as stock vLLM: KV heads are partitioned over ranks when there are
+    at least as many as ranks, and replicated (one per rank) below that.
+    """
+
+    def __init__(self, total_kv: int, total_q: int, local: int, rank: int, size: int) -> None:
+        self.total_kv, self.total_q, self.local = total_kv, total_q, local
+        heads = rank_kv_heads(total_kv, rank, size)
+        if len(heads) != local:
+            raise ValueError(
+                f"kvscale: cannot place {total_kv} KV heads on {size} tensor-parallel "
+                f"ranks holding {local} head(s) each"
+            )
+        self.start = heads[0]
+
+    @classmethod
+    def for_layer(cls, cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        local = int(layer.num_kv_heads)
+        size = get_tensor_model_parallel_world_size()
+        total_kv = cfg.total_num_kv_heads or local * size
+        total_q = cfg.total_num_heads or int(layer.num_heads) * size
+        return cls(total_kv, total_q, local, get_tensor_model_parallel_rank(), size)
+
+    def take(self, values: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        """This rank's KV heads of a flattened per-head vector (q: reduced by max per group)."""
+        if is_query and values.numel() == self.total_q != self.total_kv:
+            values = values.reshape(self.total_kv, -1).amax(dim=1)
+        return values[self.start : self.start + self.local]
+
+
+def write_scales(
+    layer: torch.nn.Module, resolved: ResolvedScales, q_heads: tuple[float, ...], prob: float
+) -> None:
+    """Update device tensors in place (kernels and CUDA graphs hold them), then host copies.
+
+    Per-head layers hold one value per local KV head in ``_k_scale`` / ``_v_scale`` /
+    ``_q_scale`` (as stock vLLM lays them out); the Python floats and CPU copies hold
+    the per-layer max, which is what one-scale paths (CPU attention) read."""
+    for name, values in (
+        ("_k_scale", resolved.k_heads),
+        ("_v_scale", resolved.v_heads),
+        ("_q_scale", q_heads),
+    ):
+        _fill_device(layer, name, values)
+    layer._prob_scale.fill_(prob)
+    if getattr(layer, "kvscale_heads", None) is not None:
+        # Device copies of the per-layer max, for one-scale GPU paths (kvscale's CUSTOM
+        # backend writes and reads a per-head layer's cache with them).
+        _fill_device(layer, "_kvscale_k_max", (resolved.k,), scalar=True)
+        _fill_device(layer, "_kvscale_v_max", (resolved.v,), scalar=True)
+    layer._k_scale_float = resolved.k
+    layer._v_scale_float = resolved.v
+    layer._q_scale_float = max(q_heads)
+    layer._prob_scale_float = prob
+    for name, value in (("_k_scale_cpu", resolved.k), ("_v_scale_cpu", resolved.v)):
+        host = getattr(layer, name, None)
+        if isinstance(host, torch.Tensor):
+            host.fill_(value)
+        else:
+            setattr(layer, name, torch.tensor(value, dtype=torch.float32))
+
+
+def _fill_device(
+    layer: torch.nn.Module, name: str, values: tuple[float, ...], *, scalar: bool = False
+) -> None:
+    current: torch.Tensor | None = getattr(layer, name, None)
+    if current is None:  # first load: a new buffer beside _k_scale, on its device
+        layer.register_buffer(
+            name, torch.tensor(values[0], dtype=torch.float32, device=layer._k_scale.device)
+        )
+        return
+    heads = None if scalar else getattr(layer, "kvscale_heads", None)
+    if heads is None:
+        current.fill_(values[0] if len(values) == 1 else max(values))
+        return
+    target = torch.tensor(values, dtype=torch.float32).expand(heads)
+    if tuple(current.shape) == (heads,):
+        current.copy_(target)  # reloads: same buffer, new values
+    else:
+        # First load of a per-head layer: the scalar default becomes one per head.
+        layer.register_buffer(name, target.to(current.device).clone())
