@@ -40,3 +40,33 @@ def test_claims_only_compressed_tensors_when_asked():
 def test_no_checkpoint_config_message_says_what_to_do():
     text = str(no_checkpoint_config_error("vLLM"))
     assert "quantization_config" in text and "Drop --quantization kvscale" in text
+
+
+def test_kvscale_follows_the_hosts_log_handlers_unless_configured():
+    """vLLM's logger does not propagate: kvscale's INFO lines go through its handlers (at
+    its level), once; a kvscale logger the user configured is left alone."""
+    import io
+    import logging
+
+    from kvscale_plugin._log import follow_host_logging, logger
+
+    saved = (list(logger.handlers), logger.level)
+    stream = io.StringIO()
+    host = logging.getLogger("kvscale-test-host")
+    host.handlers = [logging.StreamHandler(stream)]
+    host.setLevel(logging.INFO)
+    host.propagate = False
+    try:
+        logger.handlers, logger.level = [], logging.NOTSET
+        assert follow_host_logging("kvscale-test-host")
+        assert not follow_host_logging("kvscale-test-host")  # once: now configured
+        logger.info("kvscale: loaded")
+        logger.debug("kvscale: not shown")
+        assert stream.getvalue() == "kvscale: loaded\n"
+        logger.handlers, logger.level = [], logging.WARNING  # the user's own setting
+        assert not follow_host_logging("kvscale-test-host")
+        assert logger.level == logging.WARNING and not logger.handlers
+        logger.level = logging.NOTSET
+        assert not follow_host_logging("kvscale-no-such-host")  # nothing to follow
+    finally:
+        logger.handlers, logger.level = saved
