@@ -23,6 +23,8 @@ Modules, in the order a run uses them:
 * ``maths`` -- scales from maxima (``scale_from_amax``, ``scales_from_observed``);
 * ``write`` -- OUT_DIR (``write_checkpoint``, ``read_scales``, the config it writes);
 * ``pipeline`` -- all of it in one call (``calibrate``);
+* ``check`` -- ``--check``: how a checkpoint's own k/v scales fit the text (``check.check``,
+  ``check.to_json``; not re-exported here: the module is named like its function);
 * ``cli`` -- the command's arguments, run and summary;
 * ``common`` -- the error, choices and file names they share.
 

@@ -10,13 +10,16 @@ the report is built:
 * ``report``   -- ``inspect_checkpoint``: scheme verdict, name hooks, scale rules, and
   kvscale's view of every layer;
 * ``stock``    -- the model of what stock vLLM 0.32 / SGLang 0.5.23 do instead;
+* ``weights``  -- the weight / activation schemes (``config_groups``): not judged, so no
+  start is predicted for them, except failures measured on the installed platform;
 * ``problems`` -- the catalogue of problems (codes, severities) and their collection;
 * ``records``  -- the in-memory report (dataclasses) the modules above fill;
 * ``render``   -- the text table; ``schema`` -- the ``--json`` output as pydantic models
   (their JSON schema, ``schema.json``, documents it).
 
 Exit status (``run_inspect``): 0 nothing that changes what is served; 1 problems
-that change what is served (an ``error`` in ``problems``); 2 unusable input (not
+that change what is served (an ``error`` in ``problems``, e.g. weight schemes measured
+to stop the installed host's start-up: ``unsupported_weight_scheme``); 2 unusable input (not
 a directory, no/invalid ``config.json``, no safetensors files, a safetensors file
 the ``safetensors`` library refuses, index and shards disagree).
 """

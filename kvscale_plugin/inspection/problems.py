@@ -38,6 +38,7 @@ ProblemCode = Literal[
     "assumed_defaults",
     "unknown_head_count",
     "unknown_layer_count",
+    "unsupported_weight_scheme",
 ]
 
 #: code -> (severity, what it means). Tensor-level codes (in ``tensors[].problems``):
@@ -104,6 +105,12 @@ CATALOGUE: dict[str, tuple[Severity, str]] = {
     "unknown_head_count": (
         WARNING,
         "an attn_head scheme but config.json has no head count: per-head lengths unchecked",
+    ),
+    "unsupported_weight_scheme": (
+        ERROR,
+        "the quantization_config's weight / activation schemes (config_groups) stop the "
+        "installed host's start-up on its platform (measured: static FP8 input activations "
+        "on vLLM's CPU build), with or without kvscale",
     ),
     "unknown_layer_count": (
         WARNING,

@@ -175,6 +175,16 @@ class InspectReport:
     #: The host release reported against (installed, or named with ``--host vllm==X``).
     host_version: str | None = None
     host_note: str = ""
+    #: The weight / activation schemes (``config_groups``) and their verdict
+    #: (``weights.WeightVerdict``; None: not judged yet).
+    weights: Any = None
+    #: The KV-cache part of the stock / kvscale verdicts. ``stock_outcome`` /
+    #: ``kvscale_outcome`` are the engine's, which a weight verdict can change
+    #: (``weights.combine``); without weight schemes they are the same.
+    stock_kv_outcome: str = ""
+    stock_kv_summary: str = ""
+    kvscale_kv_outcome: str = ""
+    kvscale_kv_summary: str = ""
 
     @property
     def exit_status(self) -> int:

@@ -31,6 +31,8 @@ def render_text(report: InspectReport) -> str:
     if report.host_note:
         out.append(f"  release  {report.host_note}")
     out.append(f"  scheme   {v.describe()}")
+    if report.weights is not None and report.weights.declared:
+        out.append(f"  weights  {report.weights.summary}")
     out.append(f"  stock    {report.stock_engine}: {report.stock_summary}")
     out.append(f"  kvscale  {report.kvscale_summary}")
     if report.mapping:

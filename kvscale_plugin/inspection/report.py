@@ -21,10 +21,12 @@ from kvscale_plugin.inspection import config as cfg
 from kvscale_plugin.inspection.hostversion import parse_host
 from kvscale_plugin.inspection.problems import collect_problems
 from kvscale_plugin.inspection.records import (
+    ERROR,
     Heads,
     InspectReport,
     LayerRow,
     LayerView,
+    Problem,
     ScaleTensor,
     TensorProblem,
 )
@@ -36,6 +38,7 @@ from kvscale_plugin.inspection.tensors import (
     naming,
     zero_point_value,
 )
+from kvscale_plugin.inspection.weights import WeightVerdict, combine, judge_weights
 from kvscale_plugin.names import map_scale_name
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
 
@@ -59,10 +62,38 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
     release = parse_host(host)
     with open_checkpoint(model_dir) as ckpt:
         report = _inspect(ckpt, release.host)
+        qc = cfg.quant_config(ckpt.config)
     report.host_version = release.version
     report.host_note = release.note
     report.stock_engine = release.engine
+    _judge_weights(report, judge_weights(qc, release.host, release.version, release.platform))
     return report
+
+
+def _judge_weights(report: InspectReport, weights: WeightVerdict) -> None:
+    """Keep the KV-cache verdicts apart, and let the weight verdict decide the engine's:
+    a start is never predicted for weight schemes inspect does not judge."""
+    report.weights = weights
+    report.stock_kv_outcome, report.stock_kv_summary = report.stock_outcome, report.stock_summary
+    report.kvscale_kv_outcome = report.kvscale_outcome
+    report.kvscale_kv_summary = report.kvscale_summary
+    report.stock_outcome, report.stock_summary = combine(
+        report.stock_outcome, report.stock_summary, weights
+    )
+    report.kvscale_outcome, report.kvscale_summary = combine(
+        report.kvscale_outcome, report.kvscale_summary, weights
+    )
+    if weights.outcome == "unsupported":
+        report.problems.insert(
+            0,
+            Problem(
+                ERROR,
+                "unsupported_weight_scheme",
+                f"{weights.reason}: start-up stops while the weights are processed, stock "
+                "and kvscale alike (measured). The KV-cache verdicts below are what the "
+                "cache would do on a platform that serves these weights.",
+            ),
+        )
 
 
 def _inspect(ckpt: Checkpoint, host: str) -> InspectReport:

