@@ -68,7 +68,7 @@ format: venv
 
 test-sglang: venv $(TEST_RULES)/.installed
 	scripts/setup_sglang_venv.sh $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python $(PYTEST) tests/sglang_host
+	$(SGLANG_VENV)/bin/python $(PYTEST) tests/sglang_host tests/sglang_engine
 
 # Every venv the tests need, built side by side (pip's cache is shared; each setup is
 # idempotent and returns at once when up to date): .venv, .venv-sglang and one venv per

@@ -42,7 +42,7 @@ if os.path.isdir(TEST_RULES) and TEST_RULES not in sys.path:
 # test-sglang`). Elsewhere the folder is excluded here, visibly (see the report header),
 # rather than each test skipping.
 _HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-collect_ignore = [] if _HAVE_SGLANG else ["sglang_host"]
+collect_ignore = [] if _HAVE_SGLANG else ["sglang_host", "sglang_engine"]
 
 
 def pytest_report_header(config: object) -> list[str]:
@@ -54,7 +54,8 @@ def pytest_report_header(config: object) -> list[str]:
     lines = [f"kvscale test rule package: {where}", _fp8_header()]
     if not _HAVE_SGLANG:
         lines.append(
-            "tests/sglang_host excluded: no SGLang here; `make test-sglang` runs it in .venv-sglang"
+            "tests/sglang_host and tests/sglang_engine excluded: no SGLang here; "
+            "`make test-sglang` runs them in .venv-sglang"
         )
     return lines
 

@@ -32,6 +32,7 @@ METHOD_TARGETS = (
     ("sglang.srt.layers.radix_attention", "RadixAttention"),
     ("sglang.srt.runtime_context", "get_parallel"),
     ("sglang.srt.runtime_context", "get_context"),
+    ("sglang.srt.runtime_context", "attention_backends"),
     ("sglang.srt.arg_groups.choices", "QUANTIZATION_CHOICES"),
     ("sglang.srt.server_args", "add_quantization_method_choices"),
     ("sglang.srt.plugins.hook_registry", "HookRegistry.register"),

@@ -6,6 +6,9 @@ SGLang is imported only inside it. The package splits by how the code ages:
 
 * ``method``: the ``kvscale`` quantization method (config, KV-cache method, head
   placement, scale loaders), written to SGLang's quantization extension point.
+* ``backends``: which SGLang attention backends ignore KV scales, and kvscale's
+  decision there (``auto`` keeps the model dtype with one warning; an explicit FP8
+  ``--kv-cache-dtype`` is refused), so an FP8 cache is never served at scale 1.0.
 * ``patches``: the ``HookRegistry`` patches for SGLang 0.5.23's gaps (scale-name
   mapping, attention built without ``quant_config``, Mixtral routing). These wrap
   SGLang internals, so they are what an SGLang upgrade breaks; a moved target leaves

@@ -48,6 +48,12 @@ from kvscale_plugin.hosts._common import (
     no_checkpoint_config_error,
     warn_missing_scales,
 )
+from kvscale_plugin.hosts.sglang.backends import (
+    BackendAction,
+    BackendVerdict,
+    configured_attention_backends,
+    judge_attention_backends,
+)
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
@@ -106,8 +112,11 @@ class KVScaleConfig(CompressedTensorsConfig):
 
     @property
     def kv_cache_quant_algo(self) -> str | None:  # type: ignore[override]
-        # Read by SGLang's configure_kv_cache_dtype: "FP8" turns auto into fp8_e4m3.
-        return "FP8" if self.kv_verdict.supported else None
+        # Read by SGLang's configure_kv_cache_dtype: "FP8" turns auto into fp8_e4m3 --
+        # unless the attention backend would ignore the scales (hosts.sglang.backends).
+        if not self.kv_verdict.supported:
+            return None
+        return None if _backend_verdict().action is BackendAction.MODEL_DTYPE else "FP8"
 
     @classmethod
     def override_quantization_method(
@@ -300,6 +309,10 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             loaded = dict(state.raw or {})
 
         applies = cfg.kv_verdict.supported and _cache_may_be_fp8()
+        if applies:
+            verdict = _backend_verdict()
+            if verdict.action is BackendAction.REFUSE:
+                raise ValueError(verdict.message)
         if applies and cfg.corrupt_scales:
             raise CorruptScaleError(cfg.corrupt_scales.message())
         if applies:
@@ -396,9 +409,21 @@ def _requested_kv_cache_dtype() -> str | None:
 
 
 def _cache_may_be_fp8() -> bool:
-    """False when the user explicitly asked for a non-FP8 KV cache (it wins over the scheme)."""
+    """False when the user explicitly asked for a non-FP8 KV cache (it wins over the
+    scheme), or asked for ``auto`` on an attention backend that ignores KV scales (kvscale
+    then keeps the model dtype: hosts.sglang.backends)."""
     requested = _requested_kv_cache_dtype()
-    return requested is None or requested == "auto" or requested.startswith("fp8")
+    if not (requested is None or requested == "auto" or requested.startswith("fp8")):
+        return False
+    return _backend_verdict().action is not BackendAction.MODEL_DTYPE
+
+
+def _backend_verdict() -> BackendVerdict:
+    """kvscale's decision for this process's attention backends (warned about once)."""
+    verdict = judge_attention_backends(_requested_kv_cache_dtype(), configured_attention_backends())
+    if verdict.action is BackendAction.MODEL_DTYPE:
+        warn_once("sglang-scale-blind-backend", "%s", verdict.message)
+    return verdict
 
 
 def _warn_missing_scales(cfg: KVScaleConfig) -> None:
