@@ -196,14 +196,15 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
     with pytest.raises(CorruptScaleError) as err:
         build_model(ckpt)
     text = str(err.value)
+    # Named as the checkpoint writes them (SGLang's parameter is ``...self_attn.attn.k_scale``).
     for tensor, why in [
-        ("model.layers.0.self_attn.attn.k_scale", "0 (a zero scale"),
-        ("model.layers.1.self_attn.attn.k_scale", "negative"),
-        ("model.layers.1.self_attn.attn.v_scale", "NaN"),
-        ("model.layers.2.self_attn.attn.k_scale", "infinite"),
+        ("model.layers.0.self_attn.k_scale", "0 (a zero scale"),
+        ("model.layers.1.self_attn.k_scale", "negative"),
+        ("model.layers.1.self_attn.v_scale", "NaN"),
+        ("model.layers.2.self_attn.k_scale", "infinite"),
     ]:
         assert f"{tensor}: " in text and why in text, text
-    assert "model.layers.0.self_attn.attn.v_scale" not in text
+    assert "self_attn.attn." not in text and "model.layers.0.self_attn.v_scale" not in text
 
 
 def test_zero_points_are_accepted_and_dropped(tiny, kvscale_warnings):

@@ -34,6 +34,8 @@ pytestmark = pytest.mark.usefixtures("sglang_runtime")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 ATTN = "model.layers.{i}.self_attn.attn"
+#: How errors name a layer's scale tensors: as the checkpoint writes them.
+ON_DISK = "model.layers.{i}.self_attn"
 
 
 def assert_per_head(scales, expected, factor: float = 1.0, source: str = "checkpoint") -> None:
@@ -103,10 +105,10 @@ def test_corrupt_per_head_element_fails_naming_layer_and_head(tiny):
         build_model(ckpt)
     text = str(err.value)
     for key, why in [
-        (f"{ATTN.format(i=0)}.v_scale[head 0]", "0 (a zero scale"),
-        (f"{ATTN.format(i=1)}.k_scale[head 1]", "NaN"),
-        (f"{ATTN.format(i=1)}.v_scale[head 1]", "-2.0 (negative)"),
-        (f"{ATTN.format(i=2)}.k_scale[head 0]", "inf (infinite)"),
+        (f"{ON_DISK.format(i=0)}.v_scale[head 0]", "0 (a zero scale"),
+        (f"{ON_DISK.format(i=1)}.k_scale[head 1]", "NaN"),
+        (f"{ON_DISK.format(i=1)}.v_scale[head 1]", "-2.0 (negative)"),
+        (f"{ON_DISK.format(i=2)}.k_scale[head 0]", "inf (infinite)"),
     ]:
         assert f"  - {key}: {why}" in text, text
     assert text.count("  - ") == 4, text  # the good heads are not reported
@@ -129,9 +131,8 @@ def test_wrong_per_head_shape_fails_naming_expected_shape(tiny, shape, values):
     with pytest.raises(CorruptScaleError) as err:
         build_model(ckpt)
     text = str(err.value)
-    assert f"{ATTN.format(i=1)}.k_scale: shape {shape} does not match the model's 2 KV heads" in (
-        text
-    ), text
+    expected = f"{ON_DISK.format(i=1)}.k_scale: shape {shape} does not match the model's 2 KV heads"
+    assert expected in text, text
     assert "expects [2, 1, 1] or [2]" in text
     assert text.count("  - ") == 1, text
 
@@ -178,7 +179,7 @@ def test_reload_after_corrupt_per_head_load_forgets_old_problems(tiny):
         extra_tensors={"model.layers.0.self_attn.v_scale": per_head_tensor((1.0, math.nan))},
     )
     model, model_config = build_model(good)
-    with pytest.raises(CorruptScaleError, match=r"attn\.v_scale\[head 1\]: NaN"):
+    with pytest.raises(CorruptScaleError, match=r"self_attn\.v_scale\[head 1\]: NaN"):
         reload(model, model_config, bad)
     reload(model, model_config, good)
     assert_per_head(layer_scales(model), PER_HEAD)
@@ -256,5 +257,5 @@ def test_rank_heads_are_taken_from_the_full_tensor(tiny, monkeypatch):
         family="llama",
         extra_tensors={"model.layers.1.self_attn.k_scale": per_head_tensor((0.0, 4.75))},
     )
-    with pytest.raises(CorruptScaleError, match=r"layers\.1\.self_attn\.attn\.k_scale\[head 0\]"):
+    with pytest.raises(CorruptScaleError, match=r"layers\.1\.self_attn\.k_scale\[head 0\]"):
         build_model(bad)

@@ -103,6 +103,9 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.model_type: str | None = getattr(hf_config, "model_type", None)
         # Checkpoint tensors whose loaded value cannot be served: name -> why.
         self.corrupt_scales = CorruptScales()
+        # SGLang parameter name -> the checkpoint tensor it was loaded from (as on disk):
+        # errors name the file's tensor (filled by patches' name mapping).
+        self.checkpoint_names: dict[str, str] = {}
         # How many times the model's load_weights ran (0 after a dummy load); counted
         # by the load_weights wrapper that patches.py installs.
         self.weight_loads = 0
@@ -314,7 +317,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             if verdict.action is BackendAction.REFUSE:
                 raise ValueError(verdict.message)
         if applies and cfg.corrupt_scales:
-            raise CorruptScaleError(cfg.corrupt_scales.message())
+            raise CorruptScaleError(cfg.corrupt_scales.renamed(cfg.checkpoint_names).message())
         if applies:
             resolved = resolve_kv_scales(
                 loaded.get("k_scale"), loaded.get("v_scale"), fnuz=is_fp8_fnuz()

@@ -142,6 +142,7 @@ def _map_weight_names(
     model_type: str | None,
     unmapped: set[str] | None = None,
     mtp: MtpLayers | None = None,
+    on_disk: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rename checkpoint KV-scale tensors to this model's placeholders, lazily (a draft
     model's MTP-layer scales are loaded into its attention layers instead)."""
@@ -164,6 +165,8 @@ def _map_weight_names(
                 yield name, tensor  # the draft model's, not a layer this model lacks
                 continue
         if mapped is not None and mapped != name and mapped in targets:
+            if on_disk is not None:
+                on_disk[mapped] = name  # errors name the checkpoint's tensor
             name = mapped
         elif (
             mapped is not None
@@ -219,7 +222,11 @@ def _install_name_mapping(
         try:
             unmapped: set[str] = set()
             result = original(
-                _map_weight_names(weights, targets, cfg.model_type, unmapped, mtp), *args, **kwargs
+                _map_weight_names(
+                    weights, targets, cfg.model_type, unmapped, mtp, cfg.checkpoint_names
+                ),
+                *args,
+                **kwargs,
             )
             if unmapped:
                 warn_unmapped_scales(unmapped)
