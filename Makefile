@@ -1,8 +1,9 @@
 # Two commands for a fresh machine:
 #   make demo   - set up .venv and run the main job (kvscale demo) on built-in tiny models
-#   make test   - set up .venv (+ .venv-sglang, + .venv-vllm-0.30.0/0.31.0) and run ruff +
-#                 the whole test suite (real vLLM CPU engines, real SGLang modules, the
-#                 compat suite on the older vLLM releases)
+#   make test   - set up .venv (+ .venv-sglang, + .venv-vllm-0.30.0/0.31.0, + .venv-llmcompressor,
+#                 + lm-eval in build/lm-eval) and run ruff + the whole test suite (real vLLM
+#                 CPU engines, real SGLang modules and Engine, llm-compressor checkpoints,
+#                 the compat suite on the older vLLM releases)
 # And a fast loop while developing (under a minute; no engines, no SGLang venv, and none
 # of the tests marked `slow` or `compile`: fresh processes, fuzz budgets, C builds, Triton
 # AOT compiles -- `make test` runs those):
