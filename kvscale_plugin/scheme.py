@@ -14,18 +14,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-#: What llm-compressor writes for an FP8 per-tensor static KV cache.
+#: What llm-compressor 0.14.0.1 writes for an FP8 per-tensor static KV cache (its
+#: ``examples/quantization_kv_cache`` recipe; ``attn_head`` differs only in ``strategy``),
+#: field for field. Its scale tensors are bf16 ``[1]`` (``[H, 1, 1]`` per head).
 FP8_KV_SCHEME: dict[str, Any] = {
-    "num_bits": 8,
-    "type": "float",
-    "strategy": "tensor",
-    "dynamic": False,
-    "symmetric": True,
-    "group_size": None,
-    "block_structure": None,
     "actorder": None,
-    "observer": "minmax",
+    "block_structure": None,
+    "dynamic": False,
+    "group_size": None,
+    "num_bits": 8,
+    "observer": None,
     "observer_kwargs": {},
+    "scale_dtype": None,
+    "strategy": "tensor",
+    "symmetric": True,
+    "type": "float",
+    "zp_dtype": None,
 }
 
 # Fields a real llm-compressor checkpoint sometimes leaves out; when missing,
