@@ -175,3 +175,30 @@ def describe_loaded_layers(layers: Iterable[tuple[str, Any]], pool_dtypes: Itera
         + "; ".join(parts)
         + "."
     )
+
+
+class LoadCycle:
+    """The attention layers of one load cycle in this process (built, then processed):
+    when the last one is processed, one INFO line says what they were given (otherwise
+    ``--quantization kvscale`` says nothing at a host's default log level). Reloads and
+    MTP drafts build their layers again: each cycle gets its own line."""
+
+    def __init__(self) -> None:
+        self.pending: set[str] = set()
+        self.processed: dict[str, tuple[Any, str]] = {}
+
+    def built(self, name: str) -> None:
+        self.pending.add(name)
+
+    def done(self, name: str, resolved: Any, pool: str, *, draft: bool = False) -> None:
+        """``resolved``: the layer's ``ResolvedScales``; ``pool``: its KV-cache dtype."""
+        self.pending.discard(name)
+        self.processed[name] = (resolved, pool)
+        if self.pending:
+            return
+        line = describe_loaded_layers(
+            ((r.source.value, r) for r, _ in self.processed.values()),
+            (pool for _, pool in self.processed.values()),
+        )
+        logger.info("%s%s", "(MTP draft) " if draft else "", line)
+        self.processed.clear()

@@ -42,6 +42,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import (
+    LoadCycle,
     announce_verdict,
     check_zero_point,
     claims_checkpoint,
@@ -112,6 +113,8 @@ class KVScaleConfig(CompressedTensorsConfig):
         self._layer_states: weakref.WeakValueDictionary[str, _LayerState] = (
             weakref.WeakValueDictionary()
         )
+        # One INFO line per load cycle: what the layers were given.
+        self._load_cycle = LoadCycle()
 
     @property
     def kv_cache_quant_algo(self) -> str | None:  # type: ignore[override]
@@ -262,6 +265,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         state = _LayerState(self.layer_name, placement=_head_placement(cfg, layer))
         layer.kvscale_state = state
         cfg._layer_states[self.layer_name] = state
+        cfg._load_cycle.built(self.layer_name)
         for name in _SCALE_NAMES:
             # float32 explicitly: SGLang builds layers under the model's default
             # dtype (bf16), which would round a calibrated 3.8649 to 3.8594.
@@ -294,6 +298,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         if state is None:
             return
         state.pending.clear()
+        self.quant_config._load_cycle.built(state.name)
         for name in _SCALE_NAMES:
             self.quant_config.corrupt_scales.forget(f"{state.name}.{name}")
             self.quant_config.corrupt_scales.forget(state.tensor_name(name))
@@ -333,6 +338,8 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 
         _write_scales(layer, state, resolved)
         layer.kvscale_source = resolved.source.value
+        requested = _requested_kv_cache_dtype() or "auto"
+        cfg._load_cycle.done(state.name, resolved, "fp8" if applies else requested)
 
 
 def _announce_per_layer_max() -> None:

@@ -30,12 +30,12 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import info_once, logger, warn_once
+from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import (
+    LoadCycle,
     announce_verdict,
     check_zero_point,
     claims_checkpoint,
-    describe_loaded_layers,
     no_checkpoint_config_error,
     warn_missing_scales,
     warn_unmapped_scales,
@@ -53,7 +53,6 @@ from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
     CorruptScales,
-    ResolvedScales,
     ScaleSource,
     per_head_shape_ok,
     resolve_kv_scales,
@@ -141,7 +140,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
-        self._load_cycle = _LoadCycle()
+        self._load_cycle = LoadCycle()
 
     # The config travels to the engine-core / worker processes by pickle; the
     # registry of live attention layers is per process.
@@ -154,7 +153,7 @@ class KVScaleConfig(CompressedTensorsConfig):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._attention_layers = weakref.WeakValueDictionary()
-        self._load_cycle = _LoadCycle()
+        self._load_cycle = LoadCycle()
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANTIZATION_METHOD
@@ -250,7 +249,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         check_deployment()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
-        cfg._load_cycle.pending.add(layer_name)
+        cfg._load_cycle.built(layer_name)
         # A new load cycle for this layer: what an earlier cycle found corrupt is moot.
         cfg.corrupt_scales.forget_under(layer_name)
         cfg.corrupt_q_scales.forget_under(layer_name)
@@ -348,28 +347,6 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         )
         for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
             delattr(layer, name)
-
-
-class _LoadCycle:
-    """The layers of one load cycle in this process (built, then processed): when the
-    last one is processed, one INFO line says what they were given (``--quantization
-    kvscale`` otherwise says nothing at vLLM's default log level)."""
-
-    def __init__(self) -> None:
-        self.pending: set[str] = set()
-        self.processed: dict[str, tuple[ResolvedScales, str]] = {}
-
-    def done(self, name: str, resolved: ResolvedScales, pool: str, *, draft: bool) -> None:
-        self.pending.discard(name)
-        self.processed[name] = (resolved, pool)
-        if self.pending:
-            return
-        line = describe_loaded_layers(
-            ((r.source.value, r) for r, _ in self.processed.values()),
-            (pool for _, pool in self.processed.values()),
-        )
-        logger.info("%s%s", "(MTP draft) " if draft else "", line)
-        self.processed.clear()
 
 
 # Loaders are plain functions (not functools.partial): vLLM's in-place reload
