@@ -225,7 +225,7 @@ def test_reload_serves_new_scales_and_refuses_corrupt_ones(tiny):
         assert held(llm) == {0: (2.5, 3.5), 1: (4.5, 5.5)}
         reload_weights(llm, second)
         assert held(llm) == {0: (5.5, 6.5), 1: (7.25, 8.75)}
-        with pytest.raises(CorruptScaleError, match=r"layers\.1\.self_attn\.attn\.k_scale: NaN"):
+        with pytest.raises(CorruptScaleError, match=r"layers\.1\.self_attn\.k_scale: NaN"):
             reload_weights(llm, bad)
         assert held(llm) == {0: (5.5, 6.5), 1: (7.25, 8.75)}
 
