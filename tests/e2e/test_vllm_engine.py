@@ -211,15 +211,15 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
             pass
     text = str(info.value)
     for expected in (
-        "model.layers.0.self_attn.attn.k_scale",
-        "model.layers.1.self_attn.attn.k_scale",
-        "model.layers.2.self_attn.attn.v_scale",
-        "model.layers.3.self_attn.attn.k_scale",
-        "model.layers.4.self_attn.attn.k_scale: dtype torch.int32",
-        "model.layers.4.self_attn.attn.v_scale: shape (2,)",
+        "model.layers.0.self_attn.k_scale",
+        "model.layers.1.self_attn.k_scale",
+        "model.layers.2.self_attn.v_scale",
+        "model.layers.3.self_attn.k_scale",
+        "model.layers.4.self_attn.k_scale: dtype torch.int32",
+        "model.layers.4.self_attn.v_scale: shape (2,)",
     ):
         assert expected in text, text
-    assert "model.layers.0.self_attn.attn.v_scale" not in text  # 2.0 is fine
+    assert "model.layers.0.self_attn.v_scale" not in text  # 2.0 is fine
 
 
 def test_an_engine_that_failed_to_start_leaves_no_state_behind(tiny):
