@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from kvscale_plugin.calibration.common import CalibrationError, sorted_modules
 from kvscale_plugin.calibration.corpus import builtin_corpus
-from kvscale_plugin.calibration.observer import _ACTIVE, _Observer, load_model
+from kvscale_plugin.calibration.observer import _Observer, load_model, observe
 from kvscale_plugin.fp8 import FP8_E4M3_MAX
 
 #: An element saturates when ``|x.float() / scale|`` exceeds this: 448, plus one float32
@@ -282,40 +281,16 @@ def check(
     names = {id(m): n for n, m in model.named_modules()}
     observed = _match_layers(declared.layers, set(names.values()))
     observer = _CheckingObserver(names, observed)
-    t0 = time.perf_counter()
-    tokens = runs = 0
-    _ACTIVE.append(observer)
-    try:
-        from tqdm import tqdm
-
-        for text in tqdm(texts, desc="checking", unit="sample", disable=not progress):
-            ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_len)[
-                "input_ids"
-            ].to(next(model.parameters()).device)
-            if ids.shape[1] == 0:
-                continue
-            with torch.inference_mode():
-                model(input_ids=ids, use_cache=False)
-            tokens += int(ids.shape[1])
-            runs += 1
-    finally:
-        _ACTIVE.remove(observer)
+    obs = observe(
+        model,
+        tokenizer,
+        texts,
+        max_len=max_len,
+        progress=progress,
+        observer=observer,
+        purpose="check",
+    )
     del model
-    if not observer.k:
-        raise CalibrationError(
-            "no attention layer reported its keys/values: this model's attention does not "
-            "call transformers' attention interface (not supported by kvscale calibrate)"
-        )
-    bad = [
-        n
-        for n in observer.k
-        if not (torch.isfinite(observer.k[n]).all() and torch.isfinite(observer.v[n]).all())
-    ]
-    if bad:
-        raise CalibrationError(
-            f"non-finite keys/values (NaN or inf) in {', '.join(sorted_modules(bad))}: the "
-            "model overflows in its dtype on this text; cannot check"
-        )
     results = []
     for name in sorted_modules(observer.k):
         s = observed.get(name)
@@ -337,11 +312,11 @@ def check(
         model_dir=src,
         scheme=declared.scheme,
         samples=samples_source,
-        num_samples=runs,
-        num_tokens=tokens,
+        num_samples=obs.num_samples,
+        num_tokens=obs.num_tokens,
         max_len=max_len,
         dtype=model_dtype,
-        seconds=time.perf_counter() - t0,
+        seconds=obs.seconds,
         layers=results,
         unscaled_layers=unscaled,
         inspect_problems=declared.problems,

@@ -172,12 +172,17 @@ def observe(
     max_len: int = 512,
     progress: bool = True,
     stream: TextIO | None = None,
+    observer: _Observer | None = None,
+    purpose: str = "calibrate",
 ) -> Observed:
-    """Run ``texts`` one at a time (no padding, no KV cache) and record K/V abs maxima."""
+    """Run ``texts`` one at a time (no padding, no KV cache) and record K/V abs maxima.
+
+    ``observer``: one that records more (``check``'s saturation counts), built on this
+    model's ``named_modules``; ``purpose`` names the command in progress and errors."""
     from tqdm import tqdm
 
     names = {id(m): n for n, m in model.named_modules()}
-    observer = _Observer(names)
+    observer = observer if observer is not None else _Observer(names)
     device = next(model.parameters()).device
     per_sample: list[tuple[int, float]] = []
     t_all = time.perf_counter()
@@ -185,7 +190,7 @@ def observe(
     try:
         bar = tqdm(
             texts,
-            desc="calibrating",
+            desc=f"{purpose.rstrip('e')}ing",
             unit="sample",
             disable=not progress,
             file=stream or sys.stderr,
@@ -215,7 +220,7 @@ def observe(
     if bad:
         raise CalibrationError(
             f"non-finite keys/values (NaN or inf) in {', '.join(sorted(bad))}: the model "
-            "overflows in its dtype on this text; cannot calibrate"
+            f"overflows in its dtype on this text; cannot {purpose}"
         )
     return Observed(
         k_amax=observer.k,
