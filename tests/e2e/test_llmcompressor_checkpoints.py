@@ -40,6 +40,7 @@ from kvscale_plugin.demo.probe import (
 )
 from kvscale_plugin.fp8 import PLAUSIBLE_SCALE_MAX, PLAUSIBLE_SCALE_MIN
 from kvscale_plugin.inspection import run_inspect
+from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 pytestmark = pytest.mark.engine
 
@@ -51,21 +52,9 @@ ATTENTION = "attention-qkv"
 SERVED = tuple(n for n in NAMES if n != STATIC_FP8)
 
 #: ``quantization_config.kv_cache_scheme`` exactly as llm-compressor 0.14.0.1
-#: (compressed-tensors 0.19.0) writes it for a per-tensor FP8 KV cache.
-LC_PER_TENSOR = {
-    "actorder": None,
-    "block_structure": None,
-    "dynamic": False,
-    "group_size": None,
-    "num_bits": 8,
-    "observer": None,
-    "observer_kwargs": {},
-    "scale_dtype": None,
-    "strategy": "tensor",
-    "symmetric": True,
-    "type": "float",
-    "zp_dtype": None,
-}
+#: (compressed-tensors 0.19.0) writes it for a per-tensor FP8 KV cache: the project's
+#: ``FP8_KV_SCHEME`` (the tests' checkpoints declare it), proven equal to the real output here.
+LC_PER_TENSOR = FP8_KV_SCHEME
 LC_ATTN_HEAD = {**LC_PER_TENSOR, "strategy": "attn_head"}
 KV_SCHEME = {
     "kv-tensor": LC_PER_TENSOR,
