@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvscale_plugin.calibration.common import CalibrationError, sorted_modules
-from kvscale_plugin.calibration.corpus import builtin_corpus
+from kvscale_plugin.calibration.corpus import pick_texts
 from kvscale_plugin.calibration.observer import _Observer, load_model, observe
 from kvscale_plugin.fp8 import FP8_E4M3_MAX
 
@@ -268,11 +268,7 @@ def check(
     if not (src / "config.json").is_file():
         raise CalibrationError(f"{src}: not a checkpoint directory (no config.json)")
     declared = declared_scales(src)  # before the (slow) model run
-    if texts is None:
-        texts = builtin_corpus("calibration")
-    texts = list(texts)[:num_samples] if num_samples else list(texts)
-    if not texts:
-        raise CalibrationError("no samples to check with")
+    texts = pick_texts(texts, num_samples, "check")
     model, tokenizer = _load(src, device, dtype)
     model_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     if log:

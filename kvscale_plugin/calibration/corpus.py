@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvscale_plugin.calibration.common import CalibrationError
@@ -74,3 +75,14 @@ def read_samples(path: str | os.PathLike[str], max_len: int = 512) -> list[str]:
     if not texts:
         raise CalibrationError(f"{p}: no calibration text found")
     return texts
+
+
+def pick_texts(texts: Sequence[str] | None, num_samples: int | None, purpose: str) -> list[str]:
+    """The samples a run uses: ``texts`` (default: the built-in corpus' calibration split),
+    the first ``num_samples`` of them (all when None or 0); an empty set is an error."""
+    if texts is None:
+        texts = builtin_corpus("calibration")
+    picked = list(texts)[:num_samples] if num_samples else list(texts)
+    if not picked:
+        raise CalibrationError(f"no samples to {purpose} with")
+    return picked

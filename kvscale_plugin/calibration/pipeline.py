@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kvscale_plugin.calibration.common import CalibrationError, check_scheme
-from kvscale_plugin.calibration.corpus import builtin_corpus
+from kvscale_plugin.calibration.corpus import pick_texts
 from kvscale_plugin.calibration.maths import scales_from_observed
 from kvscale_plugin.calibration.observer import Observed, load_model, observe
 from kvscale_plugin.calibration.write import check_paths, write_checkpoint
@@ -42,11 +42,7 @@ def calibrate(
     check_scheme(scheme, CalibrationError)
     src, dst = Path(model_dir).resolve(), Path(out_dir).resolve()
     check_paths(src, dst, force)  # before the (slow) model run
-    if texts is None:
-        texts = builtin_corpus("calibration")
-    texts = list(texts)[:num_samples] if num_samples else list(texts)
-    if not texts:
-        raise CalibrationError("no calibration samples")
+    texts = pick_texts(texts, num_samples, "calibrate")
     model, tokenizer = load_model(src, device, dtype)
     if log:
         log(f"loaded {src} on {device} in {next(model.parameters()).dtype}")
