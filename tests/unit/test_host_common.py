@@ -44,29 +44,32 @@ def test_no_checkpoint_config_message_says_what_to_do():
 
 def test_kvscale_follows_the_hosts_log_handlers_unless_configured():
     """vLLM's logger does not propagate: kvscale's INFO lines go through its handlers (at
-    its level), once; a kvscale logger the user configured is left alone."""
+    its level) -- also handlers the host sets up after plugins load, as vLLM 0.32 does in
+    an in-process engine; a kvscale logger the user configured is left alone."""
     import io
     import logging
 
     from kvscale_plugin._log import follow_host_logging, logger
 
-    saved = (list(logger.handlers), logger.level)
+    saved = (list(logger.handlers), logger.level, list(logger.filters))
     stream = io.StringIO()
     host = logging.getLogger("kvscale-test-host")
-    host.handlers = [logging.StreamHandler(stream)]
-    host.setLevel(logging.INFO)
+    host.handlers = []
     host.propagate = False
     try:
-        logger.handlers, logger.level = [], logging.NOTSET
+        logger.handlers, logger.level, logger.filters = [], logging.NOTSET, []
         assert follow_host_logging("kvscale-test-host")
         assert not follow_host_logging("kvscale-test-host")  # once: now configured
+        host.handlers = [logging.StreamHandler(stream)]  # the host configures later
+        host.setLevel(logging.INFO)
         logger.info("kvscale: loaded")
         logger.debug("kvscale: not shown")
         assert stream.getvalue() == "kvscale: loaded\n"
-        logger.handlers, logger.level = [], logging.WARNING  # the user's own setting
+        host.setLevel(logging.WARNING)
+        logger.info("kvscale: not shown at the host's WARNING level")
+        assert stream.getvalue() == "kvscale: loaded\n"
+        logger.handlers, logger.level, logger.filters = [], logging.WARNING, []  # the user's
         assert not follow_host_logging("kvscale-test-host")
         assert logger.level == logging.WARNING and not logger.handlers
-        logger.level = logging.NOTSET
-        assert not follow_host_logging("kvscale-no-such-host")  # nothing to follow
     finally:
-        logger.handlers, logger.level = saved
+        logger.handlers, logger.level, logger.filters = saved

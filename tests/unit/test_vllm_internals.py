@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.hosts.vllm import callsites, internals
 from kvscale_plugin.hosts.vllm.internals import Internal, check, params_problem, replace
 
 
@@ -66,13 +66,17 @@ def test_transaction_rolls_back_every_replacement():
 
     module = types.ModuleType("m")
     module.func = "before"
+    sizes = {"compressed-tensors": 1.0}
     with pytest.raises(RuntimeError), internals.transaction():
         replace(Child, "kept", "patched")  # inherited: rollback deletes the override
         replace(module, "func", "after")
         replace(module, "added", 1)
+        internals.replace_item(sizes, "kvscale", 1.0)
+        internals.replace_item(sizes, "compressed-tensors", 2.0)
         raise RuntimeError("half way")
     assert Child.kept == "original" and "kept" not in Child.__dict__
     assert module.func == "before" and not hasattr(module, "added")
+    assert sizes == {"compressed-tensors": 1.0}
 
     with internals.transaction():
         replace(module, "func", "after")
@@ -90,7 +94,7 @@ def test_register_never_raises_and_retries_cleanly(monkeypatch, kvscale_warnings
         raise ImportError("cannot import name 'inplace'")
 
     monkeypatch.setattr(host, "_registered", False)
-    monkeypatch.setattr(install, "install_all", broken)
+    monkeypatch.setattr(install, "register_method", broken)
     assert host.register() is None
     assert host.register() is None
     assert len(calls) == 2 and host._registered is False  # the second attempt is the first
@@ -115,3 +119,32 @@ def test_the_docs_list_every_internal():
     assert missing == [], "docs/compatibility.md lacks: " + ", ".join(missing)
     for feature in internals.FEATURES:
         assert f"**`{feature}`**" in doc, feature
+
+
+def test_a_moved_target_resolves_where_it_moved():
+    moved = Internal(
+        "kvscale_plugin._gone", "resolve_kv_scales", "scales", "x", moved=("kvscale_plugin.scales",)
+    )
+    assert internals.problem(moved) is None
+    nowhere = Internal(
+        "kvscale_plugin._gone", "resolve_kv_scales", "scales", "x", moved=("kvscale_plugin.names",)
+    )
+    assert "ModuleNotFoundError" in internals.problem(nowhere)
+
+
+def test_a_target_that_no_longer_calls_the_path_is_a_problem():
+    calls = Internal("kvscale_plugin.scales", "resolve_kv_scales", "scales", "x", calls="_pick")
+    why = internals.problem(calls)
+    assert why is not None and "no longer calls _pick()" in why
+    found = callsites.called_names(
+        __import__("ast").parse("def f(m):\n    m.quant_method.process_weights_after_loading(m)\n")
+    )
+    assert "process_weights_after_loading" in found
+    assert callsites.calls_problem("process_weights_after_loading", found) is None
+
+
+def test_every_patched_place_says_why_and_a_kvscale_engine_patches_at_most_five():
+    assert all(len(i.patch) > 40 for i in internals.PATCHED)
+    # The MTP draft routing goes in only where the model declares MTP layers.
+    plain_engine = [i for i in internals.PATCHED if i.feature != "mtp-drafts"]
+    assert len(plain_engine) <= 5, [i.target for i in plain_engine]

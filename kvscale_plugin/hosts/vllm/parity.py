@@ -1,4 +1,5 @@
-"""Decisions vLLM 0.32 makes by the quantization *name*: same answers for ``kvscale``.
+"""Decisions vLLM 0.32 makes by the quantization *name*: same answers for ``kvscale``
+(installed only in a process that builds a kvscale engine).
 
 A compressed-tensors checkpoint served with ``--quantization kvscale`` must get the
 decisions stock vLLM makes for it as ``compressed-tensors``. vLLM 0.32 compares the
@@ -28,7 +29,7 @@ from typing import Any
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import warn_once
-from kvscale_plugin.hosts.vllm.internals import replace
+from kvscale_plugin.hosts.vllm.internals import replace, replace_item
 
 STOCK_NAME = "compressed-tensors"
 #: Architectures whose constructors decide vision-tower quantization by the name.
@@ -81,8 +82,8 @@ def install() -> None:
         except ImportError:  # metrics module moved: nothing to align
             return
         sizes = getattr(perf, "_QUANT_WEIGHT_BYTE_SIZE", None)
-        if isinstance(sizes, dict) and STOCK_NAME in sizes:
-            sizes.setdefault(QUANTIZATION_METHOD, sizes[STOCK_NAME])
+        if isinstance(sizes, dict) and STOCK_NAME in sizes and QUANTIZATION_METHOD not in sizes:
+            replace_item(sizes, QUANTIZATION_METHOD, sizes[STOCK_NAME])
 
 
 def warn_vision_tower_difference(architectures: list[str] | None) -> None:

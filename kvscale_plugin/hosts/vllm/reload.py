@@ -1,16 +1,35 @@
 """In-place reloads (``collective_rpc("reload_weights")``, and the weight-transfer
-engines' ``start_weight_update`` / ``finish_weight_update`` used for RL weight sync):
-what vLLM's layerwise reload gives no per-layer hook for (the ``reload-check``
-feature, installed by ``hosts.vllm.register``).
+engines' ``start_weight_update`` / ``finish_weight_update`` used for RL weight sync): the
+``reload-check`` feature.
+
+Where the check lives:
+
+* **On the layer, in the KV method** (vLLM's public extension point, called by every
+  reload mode): the weight loaders record a refused tensor on their layer
+  (``layers.layer_records``); ``process_weights_after_loading`` of a layer that has served
+  before sees the whole model's records and, when any scale is corrupt, keeps the scales
+  the layer had and marks it refused. It does not raise: it runs inside vLLM's layerwise
+  finalize loop (``reload/layerwise.py``, ``finalize_layerwise_processing``), where an
+  exception leaves the later attention layers unprocessed and the reload's buffers in
+  place, and inside the direct mode's ``finish_direct_reload`` (vLLM >= 0.34), which has
+  no rollback either.
+* **At the worker's entry points** (the two places still patched, in kvscale engines
+  only): ``Worker.reload_weights`` and ``Worker.finish_weight_update`` run vLLM's whole
+  reload -- including its after-reload steps (cache resets, ending the weight-update
+  session) -- and then read the layers: a corrupt scale anywhere raises
+  ``CorruptScaleError`` naming every bad tensor; a layer the reload gave no scale tensor
+  is reported. vLLM offers no after-reload hook, and a layer whose every scale tensor was
+  refused received nothing, so vLLM never calls its KV method: only a look at the layers
+  after the reload finds it.
+
+The records are consumed by that look: the next reload starts clean.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,93 +38,109 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import shorten
 from kvscale_plugin.hosts.vllm.internals import replace
-from kvscale_plugin.hosts.vllm.layers import kvscale_config
+from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer, kvscale_config, layer_records
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
 if TYPE_CHECKING:
     from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 
 
-@dataclass(frozen=True)
-class _Served:
-    """One attention layer served by kvscale's KV method, as a reload step sees it."""
-
-    name: str  # the engine's layer name
-    layer: torch.nn.Module
-    cfg: KVScaleConfig
-
-
-_Layers = list[_Served]
+def engine_layers(worker: Any) -> list[torch.nn.Module]:
+    """Every attention layer of the worker's engine (target and draft) served by kvscale's
+    KV method: vLLM registers each in the engine's forward context, by name."""
+    config = getattr(worker, "vllm_config", None)
+    context = getattr(getattr(config, "compilation_config", None), "static_forward_context", {})
+    return [layer for layer in dict(context).values() if is_kvscale_layer(layer)]
 
 
-def _kvscale_layers(model: torch.nn.Module) -> _Layers:
-    """Every attention layer of ``model`` served by
-    kvscale's KV method (collected once per reload step, read by the checks below)."""
-    found = []
-    for name, module in model.named_modules():
-        cfg = kvscale_config(module)
+def _uses_checkpoint_scales(layer: torch.nn.Module) -> bool:
+    cfg = kvscale_config(layer)
+    verdict = cfg.kv_verdict if cfg is not None else None
+    return (
+        verdict is not None
+        and (verdict.supported or not verdict.declared)
+        and is_quantized_kv_cache(layer.kv_cache_dtype)
+    )
+
+
+def _configs(layers: Iterable[torch.nn.Module]) -> list[KVScaleConfig]:
+    found = {}
+    for layer in layers:
+        cfg = kvscale_config(layer)
         if cfg is not None:
-            found.append(_Served(getattr(module, "layer_name", name), module, cfg))
-    return found
-
-
-def _layers_reloaded_without_scales(layers: _Layers) -> dict[str, KVScaleConfig]:
-    """kvscale attention layers that the reload in progress gave no tensor at all
-    (vLLM then puts their old tensors back and never calls the KV method)."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    return {
-        s.name: s.cfg
-        for s in layers
-        if s.cfg.kv_verdict.supported
-        and is_quantized_kv_cache(s.layer.kv_cache_dtype)
-        and get_layerwise_info(s.layer).load_numel <= 0
-    }
-
-
-def _is_draft(layers: _Layers) -> bool:
-    """Whether these are an MTP draft's layers (a draft weight-sync session)."""
-    return any(getattr(s.layer, "kvscale_draft", False) for s in layers)
-
-
-def _kvscale_configs(layers: _Layers) -> list[KVScaleConfig]:
-    """The kvscale configs (normally one) whose KV method serves one of ``layers``."""
-    found = {id(s.cfg): s.cfg for s in layers}
+            found[id(cfg)] = cfg
     return list(found.values())
 
 
-def _corrupt_scales(layers: _Layers) -> CorruptScales:
-    """Corrupt scales recorded in this load cycle for ``layers`` whose FP8 cache
-    uses the checkpoint's scales -- also those of a layer whose every scale tensor was
-    refused: it loaded nothing, so vLLM put its old tensors back and never called the
-    KV method."""
-    corrupt = CorruptScales()
-    for served in layers:
-        verdict = served.cfg.kv_verdict
-        if (verdict.supported or not verdict.declared) and is_quantized_kv_cache(
-            served.layer.kv_cache_dtype
-        ):
-            corrupt.update(served.cfg.on_disk(served.cfg.corrupt_scales))
-    return corrupt
+def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
+    """The check has read this cycle: what it recorded is moot for the next one."""
+    layers = list(layers)
+    for layer in layers:
+        for records in layer_records(layer):
+            records.clear()
+        layer.kvscale_reloaded = False
+        layer.kvscale_refused = False
+    for cfg in _configs(layers):
+        cfg.mtp_scales_seen.clear()
 
 
-def _warn_draft_not_reloaded(configs: Iterable[KVScaleConfig]) -> None:
-    """vLLM 0.32's ``reload_weights`` reloads the target model only (the model runner
-    passes ``get_model()``; the drafter is never given the weights). When an MTP draft
-    served by kvscale is alive, say that it keeps the weights and scales it started
-    with -- once per engine, also for a reload without MTP-layer scales (the draft's
-    weights are then as stale), naming the reload's MTP-layer scale tensors if any."""
-    from vllm.config import get_current_vllm_config_or_none
+def _refusal(corrupt: CorruptScales) -> CorruptScaleError:
+    return CorruptScaleError(
+        corrupt.message()
+        + "\nThe reload's KV scales are refused: every attention layer keeps the KV scales "
+        "it had. The reload's other weights are in place (vLLM loads them layer by layer, "
+        "before the scales can be checked): reload a checkpoint with valid KV scales "
+        "(check it with `kvscale inspect`) before relying on this engine's outputs."
+    )
 
-    configs = list(configs)
-    current = get_current_vllm_config_or_none()
-    if not configs or current is None:
-        return
-    # The worker reloads under its engine's config; the draft's attention layers are
-    # registered in the same forward context as the target's.
-    context = current.compilation_config.static_forward_context
-    drafts = [m for m in context.values() if getattr(m, "kvscale_draft", False)]
-    if not drafts:
+
+def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
+    """After vLLM finished a reload of the target model (``draft=False``) or of the MTP
+    draft: raise ``CorruptScaleError`` when any of its layers refused a scale; else report
+    the layers it gave no scale tensor. Consumes the cycle's records either way."""
+    reloaded = [layer for layer in layers if bool(getattr(layer, "kvscale_draft", False)) == draft]
+    try:
+        corrupt = CorruptScales()
+        for layer in reloaded:
+            if _uses_checkpoint_scales(layer):
+                cfg = kvscale_config(layer)
+                assert cfg is not None
+                corrupt.update(cfg.on_disk(layer_records(layer)[0]))
+        if corrupt:
+            raise _refusal(corrupt)
+        silent = [
+            layer
+            for layer in reloaded
+            if not getattr(layer, "kvscale_reloaded", False)
+            and kvscale_config(layer).kv_verdict.supported  # type: ignore[union-attr]
+            and is_quantized_kv_cache(layer.kv_cache_dtype)
+        ]
+        if silent:
+            cfg = kvscale_config(silent[0])
+            assert cfg is not None
+            warn_once(
+                f"{cfg.warn_scope}reload-without-scales",
+                "kvscale: the reloaded weights carry no k_scale/v_scale tensors for %s, "
+                "although the checkpoint declares a kv_cache_scheme; those layers keep the "
+                "scales they had (1.0 after a dummy start). Reload a checkpoint with "
+                "calibrated KV scales (kvscale calibrate), or serve with a bf16 KV cache.",
+                shorten(getattr(layer, "layer_name", "?") for layer in silent),
+            )
+        if not draft:
+            _warn_draft_not_reloaded(layers)
+    finally:
+        _forget_cycle(layers)
+
+
+def _warn_draft_not_reloaded(layers: list[torch.nn.Module]) -> None:
+    """vLLM's ``reload_weights`` reloads the target model only (the model runner passes
+    ``get_model()``; the drafter is never given the weights). When an MTP draft served by
+    kvscale is alive, say that it keeps the weights and scales it started with -- once per
+    engine, also for a reload without MTP-layer scales (the draft's weights are then as
+    stale), naming the reload's MTP-layer scale tensors if any."""
+    drafts = [layer for layer in layers if getattr(layer, "kvscale_draft", False)]
+    configs = _configs(layer for layer in layers if not getattr(layer, "kvscale_draft", False))
+    if not drafts or not configs:
         return
     held = ", ".join(
         f"{getattr(layer, 'layer_name', '?')} k={layer._k_scale_float:g} v={layer._v_scale_float:g}"
@@ -129,138 +164,60 @@ def _warn_draft_not_reloaded(configs: Iterable[KVScaleConfig]) -> None:
     )
 
 
-_RELOAD_WRAPPED = "__kvscale_reload_check__"
-
-# A corrupt reload found while a worker's reload entry point runs is raised by that entry
-# point after vLLM's own after-reload steps (cache resets, ending a weight update), not
-# from inside the layerwise reload, which would skip them.
-_deferred = threading.local()
+_WRAPPED = "__kvscale_reload_check__"
 
 
-def _refusal(corrupt: CorruptScales) -> CorruptScaleError:
-    return CorruptScaleError(
-        corrupt.message()
-        + "\nThe reload's KV scales are refused: every attention layer keeps the KV scales "
-        "it had. The reload's other weights are in place (vLLM loads them layer by layer, "
-        "before the scales can be checked): reload a checkpoint with valid KV scales "
-        "(check it with `kvscale inspect`) before relying on this engine's outputs."
-    )
-
-
-def _initialize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+def _reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def initialize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        for cfg in _kvscale_configs(_kvscale_layers(model)):
-            cfg.corrupt_scales.clear()
-            cfg.corrupt_q_scales.clear()
-            cfg.mtp_scales_seen.clear()
-        return original(model, *args, **kwargs)
-
-    return initialize_layerwise_reload
-
-
-def _finalize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def finalize_layerwise_reload(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        layers = _kvscale_layers(model)
-        silent = _layers_reloaded_without_scales(layers)
-        configs = _kvscale_configs(layers)
-        for cfg in configs:
-            cfg.reload_in_progress = True
-        try:
-            result = original(model, *args, **kwargs)
-        finally:
-            for cfg in configs:
-                cfg.reload_in_progress = False
-        if corrupt := _corrupt_scales(layers):
-            if getattr(_deferred, "depth", 0):
-                _deferred.error = _refusal(corrupt)
-                return result
-            raise _refusal(corrupt)
-        if not _is_draft(layers):
-            _warn_draft_not_reloaded(configs)
-        if silent:
-            cfg = next(iter(silent.values()))
-            warn_once(
-                f"{cfg.warn_scope}reload-without-scales",
-                "kvscale: the reloaded weights carry no k_scale/v_scale tensors for %s, "
-                "although the checkpoint declares a kv_cache_scheme; those layers keep the "
-                "scales they had (1.0 after a dummy start). Reload a checkpoint with "
-                "calibrated KV scales (kvscale calibrate), or serve with a bf16 KV cache.",
-                shorten(silent),
-            )
+    def reload_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _forget_cycle(engine_layers(self))  # whatever an earlier, unchecked load left
+        result = original(self, *args, **kwargs)
+        check_reload(engine_layers(self), draft=False)
         return result
 
-    return finalize_layerwise_reload
+    return reload_weights
 
 
-def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    original = getattr(owner, name, None)
-    if original is None or getattr(original, _RELOAD_WRAPPED, False):
+def _finish_weight_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def finish_weight_update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        draft = bool(getattr(self, "_weight_update_is_draft", False))
+        result = original(self, *args, **kwargs)
+        check_reload(engine_layers(self), draft=draft)
+        return result
+
+    return finish_weight_update
+
+
+_ENTRY_POINTS = {
+    "reload_weights": _reload_weights,
+    "finish_weight_update": _finish_weight_update,
+}
+
+
+def install_worker_wrappers() -> None:
+    """Idempotent: the worker's reload entry points check the layers after vLLM's reload
+    (and its after-reload steps) ran. Only once vLLM's worker module is loaded -- in an
+    engine's worker process (the API server process never imports it, so neither does
+    kvscale). A missing entry point costs only this check (one warning)."""
+    worker = getattr(sys.modules.get("vllm.v1.worker.gpu_worker"), "Worker", None)
+    if worker is None:
         return
-    wrapper = make(original)
-    setattr(wrapper, _RELOAD_WRAPPED, True)
-    replace(owner, name, wrapper)
-
-
-def install_reload_check() -> None:
-    """Idempotent: wrap vLLM's layerwise reload at both ends of a load cycle, where
-    ``reload_weights`` calls it and where the weight-transfer engines import it from
-    (``model_loader.reload``). At the start, forget the corrupt scales an earlier cycle
-    recorded (a layer that gets no tensor now would keep them for good). While vLLM
-    finalizes, layers keep their scales instead of raising (an exception there leaves
-    vLLM's reload half done); at the end, refuse the reload if any scale was corrupt, and
-    report the layers whose reloaded weights carried no k/v scales while the checkpoint
-    declares a scheme -- vLLM gives no per-layer hook for either.
-
-    The call site moved: vLLM >= 0.32 calls the functions from ``reload.inplace``; 0.30 and
-    0.31 from the model runner module, which binds them by name when it is imported
-    (wrapped here if it already is, else it imports the wrapped package's names; see
-    ``install_worker_wrappers`` for a model runner imported before this ran)."""
-    from vllm.model_executor.model_loader import reload
-
-    _wrap_layerwise(reload)
-    inplace = _import_optional("vllm.model_executor.model_loader.reload.inplace")
-    if inplace is not None:
-        _wrap_layerwise(inplace)
-    install_worker_wrappers()
-
-
-def _wrap_layerwise(module: Any) -> None:
-    for name, make in (
-        ("initialize_layerwise_reload", _initialize_wrapper),
-        ("finalize_layerwise_reload", _finalize_wrapper),
-    ):
-        if hasattr(module, name):
-            _wrap(module, name, make)
-
-
-def _import_optional(name: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-def _raising_after(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def entry_point(self: Any, *args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_deferred, "depth", 0)
-        _deferred.depth = outer + 1
-        try:
-            result = original(self, *args, **kwargs)
-        finally:
-            _deferred.depth = outer
-            error = getattr(_deferred, "error", None) if outer == 0 else None
-            if outer == 0:
-                _deferred.error = None
-        if error is not None:
-            raise error
-        return result
-
-    return entry_point
+    for name, make in _ENTRY_POINTS.items():
+        original = worker.__dict__.get(name)
+        if original is None:
+            warn_once(
+                f"reload-entry-{name}",
+                "kvscale: this vLLM's Worker has no %s; a reload with corrupt KV scales "
+                "through it keeps the previous scales but is not refused with an error.",
+                name,
+            )
+            continue
+        if getattr(original, _WRAPPED, False):
+            continue
+        wrapper = make(original)
+        setattr(wrapper, _WRAPPED, True)
+        replace(worker, name, wrapper)
 
 
 def ensure_worker_wrappers() -> None:
@@ -272,7 +229,8 @@ def ensure_worker_wrappers() -> None:
     if "reload-check" not in internals.installed:
         return
     try:
-        install_worker_wrappers()
+        with internals.transaction():
+            install_worker_wrappers()
     except Exception as exc:  # noqa: BLE001 - costs the reload check only, never the load
         warn_once(
             "vllm-reload-worker",
@@ -281,30 +239,3 @@ def ensure_worker_wrappers() -> None:
             type(exc).__name__,
             exc,
         )
-
-
-def install_worker_wrappers() -> None:
-    """Idempotent: a worker's reload entry points (``reload_weights``, which resets the
-    LoRA / encoder / multimodal caches after the reload, and ``finish_weight_update``,
-    which ends the weight-update session) raise a corrupt reload's error after their own
-    steps ran; a model runner that bound the layerwise functions by name (vLLM 0.30 /
-    0.31) gets the wrapped ones. Only once vLLM's worker modules are loaded -- in an
-    engine's worker process; called again from the KV method as the model is built (the
-    API server process never imports them, so neither does kvscale). A missing target
-    here costs only this check (one warning)."""
-    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
-    if runner is not None:
-        _wrap_layerwise(runner)
-    worker = getattr(sys.modules.get("vllm.v1.worker.gpu_worker"), "Worker", None)
-    if worker is None:
-        return
-    for name in ("reload_weights", "finish_weight_update"):
-        if getattr(worker, name, None) is None:
-            warn_once(
-                f"reload-entry-{name}",
-                "kvscale: this vLLM's Worker has no %s; a reload refused by kvscale is "
-                "raised from inside vLLM's reload instead of after it.",
-                name,
-            )
-            continue
-        _wrap(worker, name, _raising_after)

@@ -1,0 +1,146 @@
+"""Activation: what a process that builds a ``-q kvscale`` engine adds -- the front end
+that claims the checkpoint, each engine-core / worker process that holds the config.
+``activate`` checks every feature's targets, installs feature by feature (each all or
+nothing, through ``patching``), and says once what this vLLM gets (and, on a release
+kvscale was not tested with, that it was not). Imported lazily, by the config.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvscale_plugin._log import warn_once
+from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.hosts.vllm.internals import host_version
+
+
+def _name_parity() -> None:
+    from kvscale_plugin.hosts.vllm.parity import install
+
+    install()
+
+
+def _reload_check() -> None:
+    """The worker's reload entry points, where its module is loaded already (else when the
+    KV method builds the first attention layer: ``reload.ensure_worker_wrappers``)."""
+    from kvscale_plugin.hosts.vllm.reload import install_worker_wrappers
+
+    install_worker_wrappers()
+
+
+def _mtp_drafts() -> None:
+    """Nothing yet: installed by the config once the model declares MTP layers
+    (``method.KVScaleConfig.maybe_update_config``), so that an engine without a draft
+    never gets the loader wrapper."""
+
+
+def _cpu_write() -> bool:
+    """On vLLM's CPU platform only; each kvscale layer's impl takes kvscale's write as the
+    KV method processes it (``cpu_write.serve_layer``)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _custom_backend() -> bool:
+    from kvscale_plugin.hosts.vllm.backend import register_backend
+
+    return register_backend()
+
+
+def _deployment_check() -> None:
+    """Nothing to patch: the KV method runs the check (``deployment.check_deployment``)
+    while this feature is installed."""
+
+
+#: Installers of the features a kvscale engine activates, in order. One returning False
+#: did not apply here (e.g. the CPU write on a GPU platform): not installed, not lost.
+INSTALLERS: dict[str, Callable[[], Any]] = {
+    "name-parity": _name_parity,
+    "reload-check": _reload_check,
+    "mtp-drafts": _mtp_drafts,
+    "cpu-write": _cpu_write,
+    "custom-backend": _custom_backend,
+    "deployment-check": _deployment_check,
+}
+
+_lock = threading.RLock()
+_lost: dict[str, str] | None = None
+
+
+def activate(report: internals.Report | None = None) -> dict[str, str]:
+    """In a process that builds a ``-q kvscale`` engine: install every feature whose
+    targets hold (once per process; idempotent) and say what is lost. Returns feature ->
+    why it is lost (empty when all hold). Never raises."""
+    global _lost
+    with _lock:
+        if _lost is not None and report is None:
+            return _lost
+        try:
+            _lost = install_all(report)
+        except Exception as exc:  # noqa: BLE001 - never break the engine's start for this
+            _lost = {f: f"{type(exc).__name__}: {exc}" for f in INSTALLERS}
+            _announce(host_version(), _lost)
+        return _lost
+
+
+def deactivate() -> None:
+    """Forget that this process activated (tests: a fresh activation follows)."""
+    global _lost
+    with _lock:
+        _lost = None
+
+
+def install_all(report: internals.Report | None = None) -> dict[str, str]:
+    """Check, then install every feature (but the core, registered in every process by
+    ``install.register_method``) whose targets hold. Returns feature -> why it is lost,
+    for the features that are (empty when all hold)."""
+    version = host_version()
+    report = internals.check() if report is None else report
+    lost: dict[str, str] = {}
+    for feature, installer in INSTALLERS.items():
+        if feature in internals.installed:
+            continue
+        if not report.available(feature):
+            lost[feature] = "; ".join(report.problems[feature])
+            continue
+        try:
+            with internals.transaction():
+                applied = installer()
+        except Exception as exc:  # noqa: BLE001 - costs this feature only (rolled back)
+            lost[feature] = f"{type(exc).__name__}: {exc}"
+            continue
+        if applied is not False:
+            internals.installed.add(feature)
+    if not report.available("scales"):
+        lost = {"scales": "; ".join(report.problems["scales"]), **lost}
+    _announce(version, lost)
+    return lost
+
+
+def _announce(version: str, lost: dict[str, str]) -> None:
+    tested = version in internals.RUN_TESTED + internals.STATIC_TESTED
+    if not tested:
+        held = [f for f in internals.FEATURES if f in internals.installed]
+        warn_once(
+            f"vllm-version:{version}",
+            "kvscale: vLLM %s is not a version kvscale-plugin was tested with (supported: "
+            "vLLM %s). Every vLLM internal it touches was checked at start-up: %s hold%s.",
+            version,
+            internals.SUPPORTED_RANGE,
+            ", ".join(held) or "no feature",
+            f"; lost: {', '.join(lost)}" if lost else "",
+        )
+    if "scales" in lost:
+        return  # said by register_unavailable, and at the start that asks for it
+    for feature, why in lost.items():
+        warn_once(
+            f"vllm-feature-lost:{feature}",
+            "kvscale: on vLLM %s this feature is unavailable: %s. Cause: %s. Everything "
+            "else kvscale does is unaffected.",
+            version,
+            internals.FEATURES[feature],
+            why,
+        )
