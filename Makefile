@@ -115,8 +115,9 @@ test-compat: envs
 llmcompressor-checkpoints: envs
 	$(LLMCOMPRESSOR_VENV)/bin/python tests/fixtures/llmcompressor/make_checkpoints.py
 
+# The main suite prints its 25 slowest tests and, at the end, every skip with its reason.
 test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed llmcompressor-checkpoints test-sglang test-compat
-	$(PY) $(PYTEST)
+	$(PY) $(PYTEST) --durations=25 -rfEs
 
 test-fast: venv $(TEST_RULES)/.installed
 	$(PY) $(PYTEST) -m "not engine and not slow and not compile" tests/unit tests/kernels

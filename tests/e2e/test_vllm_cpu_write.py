@@ -33,14 +33,36 @@ from kvscale_plugin.demo import tinymodels
 from kvscale_plugin.demo.probe import (
     logprob_error,
     teacher_forced_logprobs,
-    vllm_engine,
 )
+from kvscale_plugin.demo.probe import vllm_engine as probe_engine
 from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
 from kvscale_plugin.hosts.vllm import cpu_write as vllm_cpu_write
 
 pytestmark = pytest.mark.engine
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+#: On a CPU with AMX, vLLM keeps a bf16 model's cache in its AMX layout (block sizes that
+#: are multiples of 32), which kvscale's CPU write does not handle yet: vLLM's own write is
+#: kept there, with one warning (test_unproven_layout_falls_back_with_one_warning). The
+#: engines here then run the model in fp16, whose cache keeps the vec layout, and the bf16
+#: cases of the contract test are skipped -- a condition declared here, checked before
+#: anything runs.
+AMX = torch.cpu._is_amx_tile_supported()
+MODEL_DTYPE = "float16" if AMX else "bfloat16"
+MODEL_TORCH_DTYPE = DTYPES[MODEL_DTYPE]
+needs_vec_bf16 = pytest.mark.skipif(
+    AMX,
+    reason="this CPU has AMX: vLLM stores a bf16 model's cache in its AMX layout, which "
+    "kvscale's CPU write does not handle (vLLM's write is kept there, warned); the fp16 / "
+    "fp32 cases prove the write here",
+)
+
+
+def vllm_engine(model: Any, **kwargs: Any) -> Any:
+    """The probe's engine, in the model dtype whose cache kvscale writes on this CPU."""
+    kwargs.setdefault("dtype", MODEL_DTYPE)
+    return probe_engine(model, **kwargs)
 
 
 # Helpers -----------------------------------------------------------------------
@@ -172,14 +194,17 @@ def warm(llm: Any) -> None:
 # (dtype, head size, block size, KVSCALE_CPU_FP8_WRITE): the default (compiled) write
 # everywhere, the plain-torch one on a few.
 ENGINES = [
-    ("bfloat16", 64, 32, None),
-    ("float16", 64, 32, None),
-    ("float32", 64, 32, None),
-    ("bfloat16", 128, 64, None),
-    ("bfloat16", 32, 128, None),
-    ("bfloat16", 256, 32, None),
-    ("bfloat16", 64, 32, "rne-torch"),
-    ("float16", 128, 64, "rne-torch"),
+    pytest.param(*case, marks=needs_vec_bf16) if case[0] == "bfloat16" else case
+    for case in (
+        ("bfloat16", 64, 32, None),
+        ("float16", 64, 32, None),
+        ("float32", 64, 32, None),
+        ("bfloat16", 128, 64, None),
+        ("bfloat16", 32, 128, None),
+        ("bfloat16", 256, 32, None),
+        ("bfloat16", 64, 32, "rne-torch"),
+        ("float16", 128, 64, "rne-torch"),
+    )
 ]
 ROUTES = {None: "c:vec", "rne": "c:vec", "rne-torch": "torch:vec"}
 
@@ -244,7 +269,7 @@ def test_one_plan_per_forward_step(checkpoint):
     with write_mode("rne-torch"), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
         warm(llm)
         layers = list(attention_layers(llm).values())
-        assert all(route(layer) == {torch.bfloat16: "torch:vec"} for layer in layers)
+        assert all(route(layer) == {MODEL_TORCH_DTYPE: "torch:vec"} for layer in layers)
         nb, nh, bs, two_hs = layer_cache(layers[0]).shape
         n = 6
         g = torch.Generator().manual_seed(7)
@@ -256,7 +281,7 @@ def test_one_plan_per_forward_step(checkpoint):
                 cache = layer_cache(layer)
                 ks, vs = layer._k_scale_float, layer._v_scale_float
                 key, value = crafted_kv(
-                    n, nh, two_hs // 2, torch.bfloat16, ks, specials=True, seed=seed + index
+                    n, nh, two_hs // 2, MODEL_TORCH_DTYPE, ks, specials=True, seed=seed + index
                 )
                 expected = expected_cache(cache, key, value, slots, ks, vs)
                 layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
@@ -339,7 +364,7 @@ def test_generate_stores_contract_bytes(checkpoint, mode):
             for h in handles:
                 h.remove()
         cached = sum(o.num_cached_tokens or 0 for o in rest)
-        assert all(route(layer) == {torch.bfloat16: ROUTES[mode]} for layer in layers.values())
+        assert all(route(layer) == {MODEL_TORCH_DTYPE: ROUTES[mode]} for layer in layers.values())
         checked = 0
         for name, layer in layers.items():
             cache = layer_cache(layer)
@@ -378,7 +403,7 @@ def assert_vllm_write_kept(llm: Any) -> None:
         if cache.element_size() == 1:
             assert all(v is None for v in route(layer).values()), name
         nb, nh, bs, two_hs = cache.shape
-        key, value = crafted_kv(2 * bs, nh, two_hs // 2, torch.bfloat16, 1.0, specials=True)
+        key, value = crafted_kv(2 * bs, nh, two_hs // 2, MODEL_TORCH_DTYPE, 1.0, specials=True)
         slots = torch.randperm(nb * bs)[: 2 * bs]
         slots[::5] = -1
         expected = cache.clone()
@@ -397,7 +422,9 @@ def test_stock_fp8_layers_keep_vllms_write(checkpoint):
 def test_kvscale_bf16_cache_keeps_vllms_write(checkpoint):
     with (
         write_mode(None),
-        vllm_engine(checkpoint(64), quantization="kvscale", kv_cache_dtype="bfloat16") as llm,
+        vllm_engine(
+            checkpoint(64), quantization="kvscale", kv_cache_dtype="bfloat16", dtype="bfloat16"
+        ) as llm,
     ):
         warm(llm)
         layers = attention_layers(llm).values()
@@ -432,7 +459,7 @@ def test_unproven_layout_falls_back_with_one_warning(checkpoint, kvscale_warning
             layer.isa = "vec"
             layer.impl.__dict__.pop("_kvscale_cpu_write_route", None)
         warm(llm)
-        assert all(route(layer) == {torch.bfloat16: "torch:vec"} for layer in layers)
+        assert all(route(layer) == {MODEL_TORCH_DTYPE: "torch:vec"} for layer in layers)
         assert len(kvscale_warnings("kvscale's plain-torch write is used")) == 1
         assert checked[:2] == ["c", "torch"]
         monkeypatch.setattr(vllm_cpu_write, "layout_matches_vllm", lambda *a: False)
@@ -453,7 +480,7 @@ def test_cache_storage_swapped_in_place_is_followed(checkpoint, mode):
         cache = layer_cache(layer)
         nb, nh, bs, two_hs = cache.shape
         ks, vs = layer._k_scale_float, layer._v_scale_float
-        key, value = crafted_kv(bs, nh, two_hs // 2, torch.bfloat16, ks, specials=True)
+        key, value = crafted_kv(bs, nh, two_hs // 2, MODEL_TORCH_DTYPE, ks, specials=True)
         slots = torch.randperm(nb * bs)[:bs]
         layer.impl.do_kv_cache_update(layer, key, value, cache, slots)  # target made
         inference = cache.is_inference()
@@ -480,12 +507,16 @@ def test_without_a_compiler_the_torch_write_serves(checkpoint, kvscale_warnings,
         with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
             warm(llm)
             layers = attention_layers(llm)
-            assert all(route(layer) == {torch.bfloat16: "torch:vec"} for layer in layers.values())
+            assert all(
+                route(layer) == {MODEL_TORCH_DTYPE: "torch:vec"} for layer in layers.values()
+            )
             for layer in layers.values():
                 cache = layer_cache(layer)
                 nb, nh, bs, two_hs = cache.shape
                 ks, vs = layer._k_scale_float, layer._v_scale_float
-                key, value = crafted_kv(2 * bs, nh, two_hs // 2, torch.bfloat16, ks, specials=True)
+                key, value = crafted_kv(
+                    2 * bs, nh, two_hs // 2, MODEL_TORCH_DTYPE, ks, specials=True
+                )
                 slots = torch.randperm(nb * bs)[: 2 * bs]
                 slots[::5] = -1
                 expected = expected_cache(cache, key, value, slots, ks, vs)
@@ -549,7 +580,7 @@ import json, os, sys
 from vllm import LLM, SamplingParams
 from kvscale_plugin.hosts.vllm.cpu_write import model_write_routes
 if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], quantization="kvscale", enforce_eager=True,
+    llm = LLM(model=sys.argv[1], quantization="kvscale", enforce_eager=True, dtype=sys.argv[2],
               kv_cache_memory_bytes=64 * 2**20, block_size=32, max_model_len=512)
     llm.generate(["Paged attention stores"], SamplingParams(max_tokens=4), use_tqdm=False)
     print("RESULT " + json.dumps(llm.apply_model(model_write_routes)))
@@ -569,7 +600,7 @@ def test_engine_core_process_uses_the_rne_write(checkpoint, tmp_path):
     )
     env.pop(vllm_cpu_write.ENV_VAR, None)
     proc = subprocess.run(
-        [sys.executable, str(script), str(checkpoint(64))],
+        [sys.executable, str(script), str(checkpoint(64)), MODEL_DTYPE],
         env=env,
         capture_output=True,
         text=True,
@@ -580,4 +611,6 @@ def test_engine_core_process_uses_the_rne_write(checkpoint, tmp_path):
     routes = json.loads(lines[-1][len("RESULT ") :])
     per_worker = routes if isinstance(routes, list) else [routes]
     for worker in per_worker:
-        assert worker and all(r == {"torch.bfloat16": "c:vec"} for r in worker.values()), worker
+        assert worker and all(r == {str(MODEL_TORCH_DTYPE): "c:vec"} for r in worker.values()), (
+            worker
+        )
