@@ -114,34 +114,18 @@ def kvscale_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], list[s
 # vLLM's CPU attention runs an FP8 KV cache only on x86 with AVX-512 or AMX; on other CPUs
 # it refuses one ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX"), after the model
 # and its KV scales loaded, and its cache-write op has no FP8 kernel. On such a CPU, a test
-# that fails with exactly one of those refusals is reported as skipped, naming the reason:
-# no test here can run an FP8 cache on it. Any other failure stays a failure, and on a CPU
-# with AVX-512 / AMX nothing is converted.
-from kvscale_testing.engines import cpu_runs_fp8_cache  # noqa: E402
-
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL  # noqa: E402
-
-CPU_FP8 = cpu_runs_fp8_cache()
-# vLLM's own CPU cache-write op (the tests' oracle for kvscale's CPU write) has no FP8 kernel
-# there either: it raises this for an FP8 cache (kv_cache_idx 1).
-FP8_CPU_OP_REFUSAL = ("Unsupported CPU attention configuration", "kv_cache_idx=1")
-
-
-def _fp8_refused(text: str) -> bool:
-    return FP8_CPU_REFUSAL in text or all(part in text for part in FP8_CPU_OP_REFUSAL)
-
-
-FP8_SKIP_REASON = (
-    "this CPU has neither AVX-512 nor AMX: vLLM's CPU attention refuses an FP8 KV cache "
-    "here (the test needs one)"
-)
+# whose *exception* is one of those refusals (raised by vLLM, possibly as the cause of the
+# engine's own error) is reported as skipped, naming the reason. A failed assertion is
+# never converted, whatever its message says (an assert that checks the refusal text must
+# stay a failure when it fails), and on a CPU with AVX-512 / AMX nothing is converted.
+from kvscale_testing.skips import CPU_FP8, FP8_SKIP_REASON, is_fp8_cpu_refusal  # noqa: E402
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
     report = outcome.get_result()
-    if CPU_FP8 or not report.failed or not _fp8_refused(str(report.longrepr)):
+    if CPU_FP8 or not report.failed or not is_fp8_cpu_refusal(call.excinfo):
         return
     report.outcome = "skipped"
     report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {FP8_SKIP_REASON}")
