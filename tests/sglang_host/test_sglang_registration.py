@@ -36,9 +36,10 @@ def _registration_counts() -> Counter:
     return counts
 
 
-def test_load_plugins_discovers_the_entry_point():
+def test_load_plugins_discovers_the_entry_point(tiny):
     from importlib.metadata import entry_points
 
+    from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.quantization import BASE_QUANTIZATION_METHODS
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -46,8 +47,15 @@ def test_load_plugins_discovers_the_entry_point():
 
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvscale"]
     assert [ep.value for ep in eps] == [ENTRY_POINT]
-    # load_plugins() (session fixture) ran it: the method is registered, the hooks applied,
-    # and SGLang's own base table is left alone.
+    # load_plugins() (session fixture) ran it; a ModelConfig that claims a checkpoint for
+    # kvscale (as every process that builds a kvscale model makes one) activates it: the
+    # method is registered once, the hooks applied once, and SGLang's own base table is
+    # left alone. (Before any kvscale ModelConfig: test_a_process_without_kvscale_...)
+    ModelConfig(
+        str(tiny("sgl-llama", family="llama", scales=SCALES)),
+        quantization="kvscale",
+        dtype="bfloat16",
+    )
     counts = _registration_counts()
     assert set(counts.values()) == {1}, counts
     assert "kvscale" not in BASE_QUANTIZATION_METHODS
@@ -138,3 +146,56 @@ def test_checkpoint_without_quantization_config_is_a_clear_error(tiny):
     ckpt = tiny("sgl-unquantized", quantization_config=False, kv_cache_scheme=None)
     with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):
         build_model(ckpt)
+
+
+FRESH_PROCESS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import conftest  # the torchvision shim SGLang needs on this CPU
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+from kvscale_plugin.hosts.sglang import patches
+targets = [p.target for p in patches.PATCHES]
+load_plugins()
+def hooked():
+    return sorted(t for t in targets if HookRegistry._hooks.get(t) or t in HookRegistry._patched)
+before = hooked()
+from sglang.srt.configs.model_config import ModelConfig
+ModelConfig(sys.argv[1], dtype="bfloat16")  # another engine's config: kvscale not asked
+stock = hooked()
+ModelConfig(sys.argv[1], quantization="kvscale", dtype="bfloat16")
+applied = sorted(t for t in targets if t in HookRegistry._patched)
+print("RESULT " + json.dumps({"before": before, "stock": stock, "applied": applied}))
+"""
+
+
+def test_a_process_without_kvscale_keeps_sglangs_own_code(tiny, tmp_path):
+    """In a fresh SGLang process, ``load_plugins()`` registers kvscale's method and no
+    ``HookRegistry`` patch; a ModelConfig of another engine adds none either; the first
+    ModelConfig that claims a checkpoint for kvscale registers and applies all of them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvscale_plugin.hosts.sglang import patches
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FRESH_PROCESS,
+            str(tiny("sgl-llama", family="llama", scales=SCALES)),
+            str(Path(__file__).parent),
+        ],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert result["before"] == [] and result["stock"] == [], result
+    assert result["applied"] == sorted(p.target for p in patches.PATCHES), result

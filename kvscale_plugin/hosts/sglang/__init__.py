@@ -33,12 +33,15 @@ _lock = threading.Lock()
 
 
 def register() -> None:
-    """Register ``--quantization kvscale`` with SGLang, plus the patches that close its gaps.
+    """Register ``--quantization kvscale`` with SGLang; its gap-closing patches follow in the
+    processes that build a kvscale model.
 
     Checks first that every patch target exists in the installed SGLang (if one moved,
     nothing is registered: one warning names the moved targets, and SGLang runs as if
     kvscale were not installed), then adds ``kvscale`` to SGLang's quantization registries
-    and CLI choices once and registers the ``HookRegistry`` patches. Never raises (SGLang's
+    and CLI choices once. The ``HookRegistry`` patches are registered and applied when a
+    ``ModelConfig`` claims a checkpoint for kvscale (``method.activate``), so a process
+    that serves another model runs SGLang's own code. Never raises (SGLang's
     plugin loader would log it, but a plugin must not rely on that); safe to call any
     number of times, in any process.
     """
@@ -78,4 +81,8 @@ def _register() -> None:
     # half-installed.
     patches.check_targets()
     method.register_quantization()
-    patches.register_hooks()
+    # The HookRegistry patches go in only in a process that builds a kvscale model (when
+    # its ModelConfig claims the checkpoint for kvscale, before the model is built):
+    # everywhere else SGLang runs its own code.
+    if patches.register_hooks not in method.ACTIVATORS:
+        method.ACTIVATORS.append(patches.register_hooks)

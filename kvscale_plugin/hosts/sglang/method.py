@@ -77,6 +77,18 @@ _ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
 PLACEHOLDER_ATTR = "kvscale_placeholder"
 
 
+#: What a process that builds a kvscale model installs first (the entry point puts
+#: ``patches.register_hooks`` here): an SGLang process that never builds one keeps SGLang's
+#: own code.
+ACTIVATORS: list[Callable[[], None]] = []
+
+
+def activate() -> None:
+    """Install what a kvscale model needs in this process (idempotent)."""
+    for activator in ACTIVATORS:
+        activator()
+
+
 class KVScaleConfig(CompressedTensorsConfig):
     """compressed-tensors config whose attention layers get calibrated FP8 KV scales.
 
@@ -128,7 +140,12 @@ class KVScaleConfig(CompressedTensorsConfig):
     def override_quantization_method(
         cls, hf_quant_cfg: dict[str, Any], user_quant: str | None
     ) -> str | None:
-        return claims_checkpoint(hf_quant_cfg, user_quant)
+        claimed = claims_checkpoint(hf_quant_cfg, user_quant)
+        if claimed is not None:
+            # ModelConfig verifies the quantization before the model is built, in every
+            # process that builds one: this process serves with kvscale.
+            activate()
+        return claimed
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if isinstance(layer, RadixAttention):
