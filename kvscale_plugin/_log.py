@@ -39,9 +39,9 @@ def info_once(cause: str, message: str, *args: object) -> bool:
 
 class _HostHandlers(logging.Handler):
     """Hands each kvscale record to the host logger's handlers as they are when the record
-    is emitted: a host may configure its logging after plugins load (vLLM 0.32 does, in an
-    in-process engine). Without host handlers (and none on the root), warnings still reach
-    Python's last-resort handler, as they would without this."""
+    is emitted, at the host's level then: a host may configure its logging after plugins
+    load (vLLM 0.32 does, in an in-process engine). Without host handlers (and none on the
+    root), warnings still reach Python's last-resort handler, as they would without this."""
 
     def __init__(self, host_logger: str) -> None:
         super().__init__()
@@ -50,6 +50,8 @@ class _HostHandlers(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         host = logging.getLogger(self.host_logger)
         if host.handlers:
+            if record.levelno < host.getEffectiveLevel():
+                return
             # A handler the host shares with the root gets the record by propagation.
             shared = set(logging.getLogger().handlers) if logger.propagate else set()
             for handler in host.handlers:
@@ -59,17 +61,6 @@ class _HostHandlers(logging.Handler):
             logging.lastResort.handle(record)
 
 
-class _HostLevel(logging.Filter):
-    """kvscale's records pass at the host logger's level, read when they are logged."""
-
-    def __init__(self, host_logger: str) -> None:
-        super().__init__()
-        self.host_logger = host_logger
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.getLogger(self.host_logger).getEffectiveLevel()
-
-
 def follow_host_logging(host_logger: str) -> bool:
     """Show kvscale's records the way the host shows its own (its handlers and level, as
     they are when a record is logged), when the user has not configured kvscale's logger:
@@ -77,11 +68,12 @@ def follow_host_logging(host_logger: str) -> bool:
     propagate) shows only kvscale's warnings, through Python's last-resort handler, and
     never its INFO lines.
 
-    Records still propagate (to whatever the user or a test attached to the root), at the
-    host's level. Returns whether kvscale's logger now follows ``host_logger``."""
+    Records still propagate (to whatever the user or a test attached to the root).
+    Returns whether kvscale's logger now follows ``host_logger``."""
     if logger.handlers or logger.level != logging.NOTSET:
         return False  # configured by the user already (or following a host already)
     logger.addHandler(_HostHandlers(host_logger))
-    logger.addFilter(_HostLevel(host_logger))
-    logger.setLevel(logging.DEBUG)  # the filter above decides, at the host's level
+    # INFO lines are made (the host's own default level); the handler above applies the
+    # host's level when it hands them on, and propagation is left as Python does it.
+    logger.setLevel(logging.INFO)
     return True
