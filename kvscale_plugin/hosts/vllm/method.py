@@ -152,6 +152,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self._attention_layers = weakref.WeakValueDictionary()
         self._load_cycle = LoadCycle()
         _activate()  # an engine-core / worker process of a kvscale engine
+        self._route_drafts()
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANTIZATION_METHOD
@@ -173,8 +174,13 @@ class KVScaleConfig(CompressedTensorsConfig):
         layers = getattr(text, "num_hidden_layers", None)
         self.num_hidden_layers = layers if isinstance(layers, int) else None
         self.num_mtp_layers = declared_mtp_layers(hf_config, text)
+        self._route_drafts()
+
+    def _route_drafts(self) -> None:
+        """Only a model that declares MTP layers gets the draft loader's routing (here, and
+        in each worker that unpickles this config: it may never call
+        ``maybe_update_config`` itself)."""
         if self.num_mtp_layers:
-            # Only a model that declares MTP layers gets the draft loader's routing.
             from kvscale_plugin.hosts.vllm.mtp import ensure_draft_routing
 
             ensure_draft_routing()
