@@ -81,3 +81,10 @@ def worker_kv_head_scales(
         for name, m in context.items()
         if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
     }
+
+
+def vec_layout_dtype() -> str:
+    """The model dtype whose CPU KV cache vLLM keeps in its ``vec`` layout, the one
+    kvscale's CPU write serves: bf16, except on a CPU with AMX, where vLLM stores a bf16
+    model's cache in its AMX layout (vLLM's own write and kernels there) -- fp16 then."""
+    return "float16" if torch.cpu._is_amx_tile_supported() else "bfloat16"
