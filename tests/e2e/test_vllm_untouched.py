@@ -31,13 +31,7 @@ def test_a_stock_engine_runs_vllms_own_code_and_hears_nothing_of_kvscale(tiny, t
     assert result["in-process compressed-tensors"]["quantization"] == "compressed-tensors"
     assert result["front end patched"] == []
     assert result["kvscale records"] == []
-    # vLLM's own plugin discovery names the entry point ("- kvscale -> ..."): vLLM's line.
-    printed = [
-        line
-        for text in output
-        for line in text.splitlines()
-        if "kvscale" in line
-        and not line.startswith("RESULT ")
-        and "-> kvscale_plugin.hosts.vllm:register" not in line
-    ]
+    # Every line kvscale logs starts "kvscale: " (paths may contain "kvscale" anywhere:
+    # the checkout's folder, the venv's site-packages).
+    printed = [line for text in output for line in text.splitlines() if "kvscale: " in line]
     assert printed == [], printed
