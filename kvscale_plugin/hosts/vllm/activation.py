@@ -86,13 +86,6 @@ def activate(report: internals.Report | None = None) -> dict[str, str]:
         return _lost
 
 
-def deactivate() -> None:
-    """Forget that this process activated (tests: a fresh activation follows)."""
-    global _lost
-    with _lock:
-        _lost = None
-
-
 def install_all(report: internals.Report | None = None) -> dict[str, str]:
     """Check, then install every feature (but the core, registered in every process by
     ``install.register_method``) whose targets hold. Returns feature -> why it is lost,

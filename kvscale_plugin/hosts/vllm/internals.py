@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -532,8 +531,3 @@ def host_version() -> str:
         return base_version(str(getattr(vllm, "__version__", "unknown")))
     except Exception:  # noqa: BLE001 - an unreadable version is reported, not fatal
         return "unknown"
-
-
-def loaded(module: str) -> Any:
-    """The module if the process has imported it (lazy targets), else None."""
-    return sys.modules.get(module)

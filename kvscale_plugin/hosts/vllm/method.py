@@ -7,6 +7,7 @@ Thin translation from vLLM's quantization API to the host-independent core:
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 import weakref
@@ -510,9 +511,11 @@ def _activate() -> None:
     activate()
 
 
+@functools.cache
 def _keeps_placeholders() -> bool:
     """Whether this vLLM's reload loads into the placeholders again (the direct reload of
-    vLLM >= 0.34), so that post-load processing must keep them."""
+    vLLM >= 0.34), so that post-load processing must keep them (looked up once per
+    process, not per layer and load)."""
     import importlib.util
 
     try:
