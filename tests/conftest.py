@@ -25,6 +25,10 @@ os.environ["HF_HOME"] = os.path.join(_ROOT, "cache", "huggingface")
 os.environ["MPLCONFIGDIR"] = os.path.join(_ROOT, "matplotlib")
 os.environ["TRITON_HOME"] = _ROOT
 os.environ.pop("TRITON_CACHE_DIR", None)  # under TRITON_HOME
+# Every process the tests start notes its first `import vllm` here (tests/support/amx_site,
+# on PYTHONPATH under `make`): the session summary counts them.
+PROCESS_LOG = os.path.join(_ROOT, "vllm-processes.log")
+os.environ["KVSCALE_TEST_PROCESS_LOG"] = PROCESS_LOG
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
@@ -60,6 +64,7 @@ def pytest_report_header(config: object) -> list[str]:
     return lines
 
 
+import gc  # noqa: E402
 import logging  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -134,3 +139,49 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
 def _fp8_header() -> str:
     """One header line: whether this CPU runs the FP8 cache tests."""
     return "CPU FP8 KV cache: " + ("runs (AVX-512 or AMX)" if CPU_FP8 else FP8_SKIP_REASON)
+
+
+# -- engine starts, counted for the session summary (what the suite's time goes into) ------
+
+_IN_PROCESS_ENGINES = [0]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the first engine test: count the engines built in this process (vLLM's
+    ``EngineCore.__init__``, wrapped in the test process only), and let each engine start
+    on a frozen heap (``gc.freeze()``): vLLM runs six to nine full garbage collections while
+    it builds an engine, each ~0.4 s over the ~700,000 objects of a process that imported
+    vLLM and torch -- most of an in-process engine start here. vLLM's own shutdown
+    unfreezes the heap again (``EngineCore.shutdown``), so nothing is kept alive longer
+    than that engine."""
+    if item.get_closest_marker("engine") is None:
+        return
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        return
+    if getattr(EngineCore.__init__, "_kvscale_test_counter", False):
+        return
+    original = EngineCore.__init__
+
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
+        _IN_PROCESS_ENGINES[0] += 1
+        gc.freeze()
+        original(self, *args, **kwargs)
+
+    __init__._kvscale_test_counter = True  # type: ignore[attr-defined]
+    EngineCore.__init__ = __init__  # type: ignore[method-assign]
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    try:
+        with open(PROCESS_LOG, encoding="utf-8") as log:
+            processes = [line for line in log if line.strip()]
+    except OSError:
+        processes = []
+    write = terminalreporter.write_line  # type: ignore[attr-defined]
+    write(
+        f"engine starts: {_IN_PROCESS_ENGINES[0]} in-process engine(s) in the test process; "
+        f"{len(processes)} fresh process(es) imported vLLM (probes, engine cores, workers, "
+        "servers, CLI calls; each pays ~15-20 s for the import)"
+    )

@@ -1,7 +1,9 @@
-"""Start one in-process vLLM engine in a fresh interpreter and print what it did.
+"""Start in-process vLLM engines, one after another, in a fresh interpreter and print what
+each did.
 
-``python _probe.py '{"model": DIR, "quantization": null | "kvscale", "kv_cache_dtype": ...,
-"simulate": null | "missing-target" | "module-fails"}'`` prints ``RESULT {json}``: whether
+``python _probe.py '[{"model": DIR, "quantization": null | "kvscale", "kv_cache_dtype": ...,
+"simulate": null | "missing-target" | "module-fails"}, ...]'`` (one object or a list; the
+process's ``simulate`` is the first run's) prints one ``RESULT {json}`` line per run: whether
 the engine started (or the error it raised), teacher-forced logprobs of the model's
 reference text, the scales its attention layers hold, the kvscale features installed in
 this process, whether vLLM knows the ``kvscale`` method, and kvscale's warnings. On a CPU
@@ -9,7 +11,10 @@ without AVX-512 / AMX, where vLLM refuses an FP8 cache after loading the model, 
 the engine's layers loaded are still read back (``error`` says why it did not start).
 
 A fresh interpreter because vLLM loads plugins once per process (``VLLM_PLUGINS`` is read
-then) and kvscale registers once per process.
+then) and kvscale registers once per process. Several engines share one interpreter to
+spare the ~20 s each fresh ``import vllm`` costs: what a run reports (``installed``,
+``patched``, ``warnings``) is read at its end, before the next run starts -- so stock runs
+listed before the first ``-q kvscale`` run see a process kvscale never activated in.
 
 ``simulate`` models a future vLLM from kvscale's side, without breaking vLLM itself:
 ``missing-target`` adds a target to kvscale's list that this vLLM lacks (an MTP-draft
@@ -62,12 +67,17 @@ def _simulate(mode: str | None) -> None:
     internals.INTERNALS = (*internals.INTERNALS, extra)
 
 
+_ORIGINAL: list[Any] = []
+
+
 def _record_engine_configs() -> list[Any]:
-    """Every engine config built in this process (the in-process engine shares it)."""
+    """Every engine config built during one run (the in-process engine shares it);
+    ``_stop_recording`` puts vLLM's method back."""
     from vllm.engine.arg_utils import EngineArgs
 
     seen: list[Any] = []
     original = EngineArgs.create_engine_config
+    _ORIGINAL[:] = [original]
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = original(self, *args, **kwargs)
@@ -76,6 +86,13 @@ def _record_engine_configs() -> list[Any]:
 
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
     return seen
+
+
+def _stop_recording() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if _ORIGINAL:
+        EngineArgs.create_engine_config = _ORIGINAL.pop()  # type: ignore[method-assign]
 
 
 def _scales(context: dict[str, Any]) -> dict[str, Any]:
@@ -102,16 +119,15 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def main() -> None:
-    args = json.loads(sys.argv[1])
-    collect = _Collect()
-    logging.getLogger("kvscale_plugin").addHandler(collect)
-    _simulate(args.get("simulate"))
-
+def run(args: dict[str, Any], collect: _Collect) -> dict[str, Any]:
     from kvscale_testing.checkpoints import reference_token_ids
+    from kvscale_testing.patches import patched_places
 
+    from kvscale_plugin._log import reset_warnings
     from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
 
+    collect.messages = []
+    reset_warnings()  # each run hears its own once-per-cause warnings
     result: dict[str, Any] = {"started": False, "error": None}
     ids = reference_token_ids(args["model"])
     configs = _record_engine_configs()
@@ -133,6 +149,8 @@ def main() -> None:
             # the attention metadata, after the model (and its KV scales) loaded: what the
             # engine's layers hold by then is still read back.
             result["scales"] = _scales(configs[-1].compilation_config.static_forward_context)
+    finally:
+        _stop_recording()
 
     import vllm
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
@@ -141,12 +159,20 @@ def main() -> None:
 
     result["vllm"] = vllm.__version__
     result["kvscale_known"] = "kvscale" in QUANTIZATION_METHODS
-    from kvscale_testing.patches import patched_places
-
     result["installed"] = sorted(internals.installed)
     result["patched"] = patched_places()
-    result["warnings"] = collect.messages
-    print("RESULT " + json.dumps(result), flush=True)
+    result["warnings"] = list(collect.messages)
+    return result
+
+
+def main() -> None:
+    given = json.loads(sys.argv[1])
+    runs = given if isinstance(given, list) else [given]
+    collect = _Collect()
+    logging.getLogger("kvscale_plugin").addHandler(collect)
+    _simulate(runs[0].get("simulate"))
+    for args in runs:
+        print("RESULT " + json.dumps(run(args, collect)), flush=True)
 
 
 if __name__ == "__main__":

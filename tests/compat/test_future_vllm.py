@@ -7,7 +7,7 @@ naming the version and the supported range). Registration itself never raises.
 from __future__ import annotations
 
 import pytest
-from test_vllm_release import PLAIN, assert_started_or_refused_fp8, probe, vllm_version
+from test_vllm_release import PLAIN, assert_started_or_refused_fp8, probes, vllm_version
 
 from kvscale_plugin.hosts.vllm import internals
 
@@ -17,11 +17,18 @@ pytestmark = pytest.mark.engine
 @pytest.mark.slow
 def test_missing_target_costs_only_its_feature(tiny, tmp_path):
     plain = tiny("compat-plain", **PLAIN)
-    stock = probe(tmp_path, model=str(plain), simulate="missing-target")
-    assert stock["started"] and stock["error"] is None, stock
-
     ckpt = tiny("compat-calibrated", num_layers=3)
-    ours = probe(tmp_path, model=str(ckpt), quantization="kvscale", simulate="missing-target")
+    # One interpreter: the stock start first, before kvscale activates anything.
+    stock, ours = probes(
+        tmp_path,
+        [
+            {"model": str(plain), "simulate": "missing-target"},
+            {"model": str(ckpt), "quantization": "kvscale"},
+        ],
+    )
+    assert stock["started"] and stock["error"] is None, stock
+    assert stock["installed"] == ["scales"] and stock["warnings"] == [], stock
+
     assert_started_or_refused_fp8(ours)
     assert set(ours["installed"]) == set(internals.FEATURES) - {"mtp-drafts"}
     assert all(layer["source"] == "checkpoint" for layer in ours["scales"].values())
@@ -34,17 +41,23 @@ def test_missing_target_costs_only_its_feature(tiny, tmp_path):
 @pytest.mark.slow
 def test_core_module_that_fails_to_import_leaves_stock_starts_alone(tiny, tmp_path):
     plain = tiny("compat-plain", **PLAIN)
-    stock = probe(tmp_path, model=str(plain), simulate="module-fails")
-    assert stock["started"] and stock["error"] is None, stock
-    assert stock["installed"] == []
-
     ckpt = tiny("compat-calibrated", num_layers=3)
-    # A compressed-tensors checkpoint without -q kvscale: stock's own method serves it.
-    ct = probe(tmp_path, model=str(ckpt), kv_cache_dtype="fp8", simulate="module-fails")
+    # One interpreter, the stock starts first: a plain model, and a compressed-tensors
+    # checkpoint without -q kvscale (stock's own method serves it); then -q kvscale.
+    stock, ct, refused = probes(
+        tmp_path,
+        [
+            {"model": str(plain), "simulate": "module-fails"},
+            {"model": str(ckpt), "kv_cache_dtype": "fp8"},
+            {"model": str(ckpt), "quantization": "kvscale"},
+        ],
+    )
+    assert stock["started"] and stock["error"] is None, stock
+    assert stock["installed"] == [] and stock["warnings"] == [], stock
     assert_started_or_refused_fp8(ct)
     assert all(layer["source"] is None for layer in ct["scales"].values())
+    assert ct["warnings"] == [], ct["warnings"]
 
-    refused = probe(tmp_path, model=str(ckpt), quantization="kvscale", simulate="module-fails")
     assert not refused["started"], refused
     error = refused["error"]
     assert f"cannot work on vLLM {vllm_version()}" in error, error

@@ -65,50 +65,91 @@ def assert_started_or_refused_fp8(result: dict[str, Any]) -> None:
         assert FP8_REFUSED in result["error"], result
 
 
-def probe(tmp_path: Path, env: dict[str, str] | None = None, **args: Any) -> dict[str, Any]:
-    """``_probe.py`` in a fresh interpreter (plugins are loaded once per process)."""
+def probes(
+    tmp_path: Path, runs: list[dict[str, Any]], env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """``_probe.py`` in one fresh interpreter (plugins are loaded once per process): its
+    engines one after another, a result for each."""
     full_env = {**os.environ, "TMPDIR": str(tmp_path), **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_probe.py"), json.dumps(args)],
+        [sys.executable, str(HERE / "_probe.py"), json.dumps(runs)],
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
+    assert proc.returncode == 0 and len(lines) == len(runs), (
         proc.returncode,
         proc.stdout[-3000:],
         proc.stderr[-5000:],
     )
-    return json.loads(lines[-1][len("RESULT ") :])
+    return [json.loads(line[len("RESULT ") :]) for line in lines]
+
+
+def probe(tmp_path: Path, env: dict[str, str] | None = None, **args: Any) -> dict[str, Any]:
+    """One engine in a fresh interpreter."""
+    return probes(tmp_path, [args], env)[0]
 
 
 # ---------------------------------------------------------------- (a) stock starts unchanged
 
 
+STOCK_CASES = {
+    "plain": (PLAIN, "auto"),
+    # A compressed-tensors checkpoint with k/v scales, FP8 cache, no -q kvscale.
+    "ct-fp8": ({}, "fp8"),
+}
+#: The ``-q kvscale`` starts (b) reads: checkpoint name -> TinySpec fields.
+KVSCALE_CASES = {
+    "default": {},
+    "compat-calibrated": {"num_layers": 3},
+    "compat-per-head": {
+        "num_layers": 3,
+        "per_head": True,
+        "kv_cache_scheme": PER_HEAD,
+        "head_boost": (1.0, 3.0),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def started(tiny, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Every engine (a) and (b) read, started in two fresh interpreters (not one each):
+    with plugins, the stock starts first -- while kvscale has activated nothing in that
+    process -- then the ``-q kvscale`` ones; without plugins (``VLLM_PLUGINS=""``), the
+    stock starts again. Keys: ``stock:<case>``, ``bare:<case>``, ``kvscale:<checkpoint>``."""
+    tmp = tmp_path_factory.mktemp("compat-probes")
+    stock = [
+        {"model": str(tiny(f"compat-{name}", **fields)), "kv_cache_dtype": kv}
+        for name, (fields, kv) in STOCK_CASES.items()
+    ]
+    ours = [
+        {"model": str(tiny(name, **fields)), "quantization": "kvscale"}
+        for name, fields in KVSCALE_CASES.items()
+    ]
+    with_plugin = probes(tmp, stock + ours)
+    bare = probes(tmp, stock, env={"VLLM_PLUGINS": ""})
+    out: dict[str, dict[str, Any]] = {}
+    for name, result in zip(STOCK_CASES, with_plugin[: len(stock)], strict=True):
+        out[f"stock:{name}"] = result
+    for name, result in zip(STOCK_CASES, bare, strict=True):
+        out[f"bare:{name}"] = result
+    for name, result in zip(KVSCALE_CASES, with_plugin[len(stock) :], strict=True):
+        out[f"kvscale:{name}"] = result
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case",
-    [
-        {"name": "plain", "fields": PLAIN, "kv_cache_dtype": "auto"},
-        # A compressed-tensors checkpoint with k/v scales, FP8 cache, no -q kvscale.
-        {"name": "ct-fp8", "fields": {}, "kv_cache_dtype": "fp8"},
-    ],
-    ids=lambda c: c["name"],
-)
-def test_stock_start_is_unchanged_with_kvscale_installed(tiny, tmp_path, case):
-    ckpt = tiny(f"compat-{case['name']}", **case["fields"])
-    with_plugin = probe(tmp_path, model=str(ckpt), kv_cache_dtype=case["kv_cache_dtype"])
-    without = probe(
-        tmp_path, env={"VLLM_PLUGINS": ""}, model=str(ckpt), kv_cache_dtype=case["kv_cache_dtype"]
-    )
+@pytest.mark.parametrize("case", list(STOCK_CASES))
+def test_stock_start_is_unchanged_with_kvscale_installed(started, case):
+    with_plugin, without = started[f"stock:{case}"], started[f"bare:{case}"]
     assert with_plugin["kvscale_known"] and not without["kvscale_known"]
     # Registered, and nothing else: no feature activated, no vLLM place patched.
     assert with_plugin["installed"] == ["scales"], with_plugin
     assert with_plugin["patched"] == [], with_plugin["patched"]
     # Exactly as before: the same outcome and numbers, bit for bit, and nothing said.
-    if case["kv_cache_dtype"] == "fp8":
+    if STOCK_CASES[case][1] == "fp8":
         assert_started_or_refused_fp8(without)
     else:
         assert without["started"] and without["error"] is None, without
@@ -149,8 +190,8 @@ def test_cli_help_parses_with_kvscale_installed(tmp_path):
 # ---------------------------------------------------------------- (b) -q kvscale serves scales
 
 
-def test_every_listed_feature_holds_on_this_release(tiny, tmp_path):
-    result = probe(tmp_path, model=str(tiny("default")), quantization="kvscale")
+def test_every_listed_feature_holds_on_this_release(started):
+    result = started["kvscale:default"]
     assert_started_or_refused_fp8(result)
     assert set(result["installed"]) == set(internals.FEATURES), result
     # One warning may be the CPU's, not the release's: on a CPU with AMX, vLLM picks its AMX
@@ -168,11 +209,10 @@ def test_every_listed_feature_holds_on_this_release(tiny, tmp_path):
     assert vllm_version() in internals.RUN_TESTED
 
 
-def test_per_tensor_scales_loaded(tiny, tmp_path):
-    ckpt = tiny("compat-calibrated", num_layers=3)
-    stored = read_stored_scales(ckpt)
+def test_per_tensor_scales_loaded(tiny, started):
+    stored = read_stored_scales(tiny("compat-calibrated", **KVSCALE_CASES["compat-calibrated"]))
     assert len({round(v["k"], 4) for v in stored.values()}) == len(stored)
-    result = probe(tmp_path, model=str(ckpt), quantization="kvscale")
+    result = started["kvscale:compat-calibrated"]
     assert_started_or_refused_fp8(result)
     scales = result["scales"]
     assert len(scales) == len(stored), result
@@ -184,16 +224,9 @@ def test_per_tensor_scales_loaded(tiny, tmp_path):
         assert (s["k_float"], s["v_float"]) == pytest.approx((want["k"], want["v"]), rel=1e-6)
 
 
-def test_per_head_scales_loaded(tiny, tmp_path):
-    ckpt = tiny(
-        "compat-per-head",
-        num_layers=3,
-        per_head=True,
-        kv_cache_scheme=PER_HEAD,
-        head_boost=(1.0, 3.0),
-    )
-    stored = read_stored_scales(ckpt)
-    result = probe(tmp_path, model=str(ckpt), quantization="kvscale")
+def test_per_head_scales_loaded(tiny, started):
+    stored = read_stored_scales(tiny("compat-per-head", **KVSCALE_CASES["compat-per-head"]))
+    result = started["kvscale:compat-per-head"]
     assert_started_or_refused_fp8(result)
     scales = result["scales"]
     assert len(scales) == len(stored), result

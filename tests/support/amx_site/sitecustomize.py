@@ -22,3 +22,29 @@ if sys.platform == "linux" and platform.machine() == "x86_64":
         )
     except Exception:  # noqa: BLE001 - no AMX, an old kernel: nothing to ask for
         pass
+
+
+# Second duty, also test processes only: where the test session asks for it
+# (``KVSCALE_TEST_PROCESS_LOG``, set by tests/conftest.py), a process appends one line the
+# moment it first imports vLLM -- the count of fresh vLLM processes (probes, engine cores,
+# workers, servers, CLI calls) that the session summary prints. Written at import, not at
+# exit: vLLM ends its workers with signals, which skip ``atexit``.
+import os  # noqa: E402
+
+_PROCESS_LOG = os.environ.get("KVSCALE_TEST_PROCESS_LOG")
+if _PROCESS_LOG:
+
+    class _FirstVllmImport:
+        """A meta-path entry that notes the first ``import vllm`` and finds nothing."""
+
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+            if name == "vllm":
+                sys.meta_path.remove(self)
+                try:
+                    with open(_PROCESS_LOG, "a", encoding="utf-8") as log:
+                        log.write(f"{os.getpid()} {' '.join(sys.argv)[:160]}\n")
+                except OSError:
+                    pass
+            return None
+
+    sys.meta_path.insert(0, _FirstVllmImport())
