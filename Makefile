@@ -41,9 +41,9 @@ COMPAT_VLLM := 0.30.0 0.31.0
 # a CPU with AMX, vLLM 0.32's CPU kernels use it without asking, and a fresh engine process
 # dies with SIGILL.
 AMX_SITE := $(CURDIR)/tests/support/amx_site
-test test-fast test-sglang test-compat llmcompressor-checkpoints eval bench: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
+test test-fast test-sglang test-compat llmcompressor-checkpoints eval bench bench-serve: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: check-vllm venv envs test test-fast test-sglang test-compat lint format bench eval clean llmcompressor-checkpoints
+.PHONY: check-vllm venv envs test test-fast test-sglang test-compat lint format bench bench-serve eval clean llmcompressor-checkpoints
 
 venv: $(VENV)/.kvscale-installed
 
@@ -134,6 +134,11 @@ eval: venv
 bench: venv
 	$(PY) benchmarks/cache_write.py
 	$(PY) benchmarks/startup.py
+
+# A server under load (vllm serve + vllm bench serve) with a bf16, a stock FP8 and a kvscale
+# FP8 cache on SmolLM2-135M, rounds alternated; e.g. make bench-serve ARGS="--budgets 64".
+bench-serve: venv
+	$(PY) benchmarks/serving.py $(ARGS)
 
 # Which kvscale features hold on a vLLM release, read from its sources (no install):
 #   make check-vllm VERSION=0.35.0        (the GPU build, vllm==VERSION)
