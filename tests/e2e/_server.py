@@ -54,7 +54,6 @@ class Server:
     url: str
     model: str
     log: Path
-    pid: int = 0  # the API server process (its engine core and workers are its children)
 
     def post(
         self, path: str, body: dict[str, Any], timeout: float = 60, rank: int | None = None
@@ -185,7 +184,6 @@ def openai_server(
             proc = subprocess.Popen(
                 _command(model_dir, port, extra), env=full_env, stdout=log, stderr=subprocess.STDOUT
             )
-            server.pid = proc.pid
             try:
                 if not _wait_ready(proc, server, ready_s):
                     lost.append(str(log_path))
