@@ -260,6 +260,20 @@ def render_table(results: list[EngineResult]) -> str:
     return "\n".join(lines)
 
 
+def scale_lines(results: list[EngineResult]) -> list[tuple[str, str, list[float]]]:
+    """The right-hand plot's lines: ``(label, line style, per-layer v scales)`` for every
+    engine that read scales -- also one vLLM refused after loading them (an FP8 cache on a
+    CPU without AVX-512 / AMX: the layers held these scales when it refused), dotted."""
+    lines = []
+    for r in results:
+        if not r.v_scales:
+            continue
+        style = ("-" if r.engine == "kvscale" else "--") if r.started else ":"
+        label = f"{r.variant} / {r.engine}" + ("" if r.started else " (loaded, refused to run)")
+        lines.append((label, style, list(r.v_scales)))
+    return lines
+
+
 def write_plot(results: list[EngineResult], path: Path) -> Path:
     import matplotlib
 
@@ -294,19 +308,12 @@ def write_plot(results: list[EngineResult], path: Path) -> Path:
     ax_err.set_ylabel("mean |Δ logprob| vs bf16 cache")
     ax_err.set_title("teacher-forced logprob error")
     ax_err.legend()
-    started = [r for r in results if r.started and r.v_scales]
-    for n, r in enumerate(started):
+    lines = scale_lines(results)
+    for n, (label, style, scales) in enumerate(lines):
         # Small x offsets keep coinciding lines visible.
-        offset = (n - len(started) / 2) * 0.03
-        style = "-" if r.engine == "kvscale" else "--"
-        ax_k.plot(
-            [i + offset for i in range(len(r.v_scales))],
-            r.v_scales,
-            style,
-            marker="o",
-            label=f"{r.variant} / {r.engine}",
-        )
-    values = [x for r in started for x in r.v_scales if x > 0]
+        offset = (n - len(lines) / 2) * 0.03
+        ax_k.plot([i + offset for i in range(len(scales))], scales, style, marker="o", label=label)
+    values = [x for _, _, scales in lines for x in scales if x > 0]
     if values and max(values) / min(values) > 50:  # calibrated real scales next to 1.0
         ax_k.set_yscale("log")
     ax_k.set_xlabel("layer")

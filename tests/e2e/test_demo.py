@@ -123,6 +123,29 @@ def test_demo_rejects_a_directory_without_config(tmp_path):
     assert proc.returncode == 2 and "no config.json" in proc.stderr
 
 
+def test_plot_draws_the_scales_of_engines_refused_after_loading(tmp_path):
+    """On a CPU without AVX-512 / AMX every FP8 engine is refused after loading: the
+    right-hand plot still draws the scales each one's layers held (dotted), as the table
+    lists them, instead of only the engines that ran."""
+    from kvscale_plugin.demo.runner import EngineResult, scale_lines, write_plot
+
+    refused = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    rows = [
+        EngineResult("v", "stock-fp8", started=False, error=refused, v_scales=[1.0, 1.0]),
+        EngineResult("v", "kvscale", started=False, error=refused, v_scales=[0.5, 0.25]),
+        EngineResult("w", "kvscale", started=True, v_scales=[0.75, 0.5], mean_err=0.01),
+        EngineResult("x", "stock-fp8", started=False, error="ValueError: bad"),  # nothing read
+    ]
+    lines = scale_lines(rows)
+    assert [(label, style, scales) for label, style, scales in lines] == [
+        ("v / stock-fp8 (loaded, refused to run)", ":", [1.0, 1.0]),
+        ("v / kvscale (loaded, refused to run)", ":", [0.5, 0.25]),
+        ("w / kvscale", "-", [0.75, 0.5]),
+    ]
+    png = write_plot(rows, tmp_path / "p.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_table_summarizes_many_layers_and_keeps_few():
     from kvscale_plugin.demo.runner import EngineResult, render_table
 
