@@ -35,7 +35,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# kvscale_testing: the tests' helpers (tests/support), not part of the package; the port
+# and the wait until a server serves are the e2e tests' (tests/e2e/_server.py) as well.
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+from kvscale_testing.server import ServerExited, free_port, wait_until_serving  # noqa: E402
+
+#: The name every benchmark server serves its model under (``--served-model-name``).
+SERVED_MODEL = "model"
 
 #: name -> (input tokens, output tokens) per request
 SHAPES: dict[str, tuple[int, int]] = {"chat": (256, 64), "long": (440, 64)}
@@ -66,17 +72,11 @@ class Case:
     cache: str
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_command(case: Case, models: dict[str, Path], port: int) -> list[str]:
     model = models["base"] if case.cache == "bf16" else models["calibrated"]
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "model",
+        "--model", str(model), "--served-model-name", SERVED_MODEL,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
         "--kv-cache-memory-bytes", str(case.budget_mib * 2**20),
@@ -111,20 +111,14 @@ def start_server(case: Case, models: dict[str, Path], log: Path, ready_s: float)
         start_new_session=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            if '"model"' in _get(f"{base}/v1/models"):
-                return proc, base, out
-        except OSError:
-            pass
-        time.sleep(1)
-    stop_server(proc, out)
-    raise RuntimeError(
-        f"{case}: the server did not start; its log: {log}\n{log.read_text()[-3000:]}"
-    )
+    try:
+        wait_until_serving(proc, base, SERVED_MODEL, ready_s)
+    except (ServerExited, TimeoutError) as exc:
+        stop_server(proc, out)
+        raise RuntimeError(
+            f"{case}: the server did not start ({exc}); its log: {log}\n{log.read_text()[-3000:]}"
+        ) from None
+    return proc, base, out
 
 
 def stop_server(proc: subprocess.Popen, out: Any) -> None:
@@ -148,7 +142,7 @@ def bench(
     name = f"{shape}-{time.monotonic_ns()}.json"
     cmd = [
         str(Path(sys.executable).parent / "vllm"), "bench", "serve",
-        "--backend", "vllm", "--base-url", base, "--model", "model",
+        "--backend", "vllm", "--base-url", base, "--model", SERVED_MODEL,
         "--tokenizer", str(tokenizer),
         "--dataset-name", "random",
         "--random-input-len", str(inp), "--random-output-len", str(outp),
@@ -308,7 +302,11 @@ def models_for(cfg: argparse.Namespace, work: Path) -> dict[str, Path]:
     from cpu_write_quality import default_model, prepare_variants
 
     base = Path(cfg.model) if cfg.model else default_model(cfg.smoke, work)
-    return {"base": base, "calibrated": prepare_variants(base, work / base.name)["calibrated"]}
+    variants = prepare_variants(base, work / base.name)
+    # A model that already declares a kv_cache_scheme (--smoke's tiny model) is its own
+    # calibrated variant: prepare_variants names it "checkpoint" then.
+    calibrated = variants.get("calibrated", variants.get("checkpoint"))
+    return {"base": base, "calibrated": calibrated}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

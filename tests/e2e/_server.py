@@ -5,28 +5,31 @@ the ``with`` block ends (terminate, wait, kill), whatever happened inside it.
 
 Ports: vLLM's server binds the port it is given (with ``--port 0`` it binds a free one,
 but logs "Starting vLLM server on http://127.0.0.1:0": the port it got is not reported),
-so a free port is picked here, and another process can take it before the server binds
-it. A server that lost its port exits with "Address already in use" (from its own bind
-or listen, or from a port vLLM picked itself for its data-parallel or distributed
-processes); it is started again on a fresh port, a bounded number of times. A server
-only counts as ready once ``/v1/models`` serves this model: a ``/health`` answer from
-another process that holds the port is not ours.
+so a free port is picked here (``kvscale_testing.server.free_port``), and another process
+can take it before the server binds it. A server that lost its port exits with "Address
+already in use" (from its own bind or listen, or from a port vLLM picked itself for its
+data-parallel or distributed processes); it is started again on a fresh port, a bounded
+number of times. A server only counts as ready once ``/v1/models`` serves this model: a
+``/health`` answer from another process that holds the port is not ours (the wait is
+``kvscale_testing.server.wait_until_serving``, the serving benchmark's as well).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The port and the wait until ready are shared with benchmarks/serving.py; ``free_port``
+# stays importable from here.
+from kvscale_testing.server import ServerExited, free_port, wait_until_serving
 
 from kvscale_plugin.demo.probe import KV_CACHE_BYTES
 
@@ -35,13 +38,6 @@ from kvscale_plugin.demo.probe import KV_CACHE_BYTES
 ADDRESS_IN_USE = "address already in use"
 #: Starts on fresh ports before a lost port race counts as a failure.
 PORT_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A port that was free a moment ago: a candidate only (see the module docstring)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def lost_port_race(text: str) -> bool:
@@ -54,6 +50,9 @@ class Server:
     url: str
     model: str
     log: Path
+    #: The server process's id (``openai_server`` sets it): its engine core and workers
+    #: are its children.
+    pid: int | None = None
 
     def post(
         self, path: str, body: dict[str, Any], timeout: float = 60, rank: int | None = None
@@ -121,37 +120,25 @@ def _command(model_dir: Path, port: int, extra: Sequence[str]) -> list[str]:
     ]
 
 
-def _serves_this_model(server: Server) -> bool:
-    """``/health`` answers 200 and ``/v1/models`` lists this model (not another server's)."""
-    try:
-        with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
-            if r.status != 200:
-                return False
-        with urllib.request.urlopen(f"{server.url}/v1/models", timeout=5) as r:
-            models = json.loads(r.read())
-    except (OSError, ValueError):
-        return False
-    return any(m.get("id") == server.model for m in models.get("data", []))
-
-
 def _wait_ready(proc: subprocess.Popen, server: Server, ready_s: float) -> bool:
-    """True once the server serves; False if it exited having lost its port; otherwise
-    (another exit, no answer in ``ready_s``) an AssertionError with the log's causes."""
-    deadline = time.monotonic() + ready_s
-    while True:
-        if proc.poll() is not None:
-            text = server.log.read_text()
-            if lost_port_race(text):
-                return False
-            # The root cause (an engine-core exception) often lies before the tail.
-            errors = (ln.strip() for ln in text.splitlines() if "Error: " in ln)
-            causes = list(dict.fromkeys(errors))[:6]
-            raise AssertionError("server exited:\n" + "\n".join(causes) + "\n...\n" + text[-3000:])
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not ready in {ready_s} s (log: {server.log})")
-        if _serves_this_model(server):
-            return True
-        time.sleep(1)
+    """True once the server serves (``kvscale_testing.server.wait_until_serving``); False
+    if it exited having lost its port; otherwise (another exit, no answer in ``ready_s``)
+    an AssertionError with the log's causes."""
+    try:
+        wait_until_serving(proc, server.url, server.model, ready_s)
+    except ServerExited:
+        text = server.log.read_text()
+        if lost_port_race(text):
+            return False
+        # The root cause (an engine-core exception) often lies before the tail.
+        errors = (ln.strip() for ln in text.splitlines() if "Error: " in ln)
+        causes = list(dict.fromkeys(errors))[:6]
+        raise AssertionError(
+            "server exited:\n" + "\n".join(causes) + "\n...\n" + text[-3000:]
+        ) from None
+    except TimeoutError:
+        raise AssertionError(f"server not ready in {ready_s} s (log: {server.log})") from None
+    return True
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -184,6 +171,7 @@ def openai_server(
             proc = subprocess.Popen(
                 _command(model_dir, port, extra), env=full_env, stdout=log, stderr=subprocess.STDOUT
             )
+            server.pid = proc.pid
             try:
                 if not _wait_ready(proc, server, ready_s):
                     lost.append(str(log_path))
