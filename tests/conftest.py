@@ -27,8 +27,10 @@ os.environ["TRITON_HOME"] = _ROOT
 os.environ.pop("TRITON_CACHE_DIR", None)  # under TRITON_HOME
 # Every process the tests start notes its first `import vllm` here (tests/support/amx_site,
 # on PYTHONPATH under `make`): the session summary counts them.
-PROCESS_LOG = os.path.join(_ROOT, "vllm-processes.log")
-os.environ["KVSCALE_TEST_PROCESS_LOG"] = PROCESS_LOG
+# One log for the whole run: pytest-xdist's workers inherit the controller's variable.
+PROCESS_LOG = os.environ.setdefault(
+    "KVSCALE_TEST_PROCESS_LOG", os.path.join(_ROOT, "vllm-processes.log")
+)
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
@@ -118,22 +120,21 @@ def kvscale_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], list[s
 
 # vLLM's CPU attention runs an FP8 KV cache only on x86 with AVX-512 or AMX; on other CPUs
 # it refuses one ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX"), after the model
-# and its KV scales loaded, and its cache-write op has no FP8 kernel. On such a CPU, a test
-# whose *exception* is one of those refusals (raised by vLLM, possibly as the cause of the
-# engine's own error) is reported as skipped, naming the reason. A failed assertion is
-# never converted, whatever its message says (an assert that checks the refusal text must
-# stay a failure when it fails), and on a CPU with AVX-512 / AMX nothing is converted.
-from kvscale_testing.skips import CPU_FP8, FP8_SKIP_REASON, is_fp8_cpu_refusal  # noqa: E402
+# and its KV scales loaded. A test that needs an FP8 cache says so up front with the
+# ``needs_fp8_cpu_cache`` marker and is skipped before it runs on such a CPU, with the
+# reason; nothing turns a failure into a skip afterwards (a refusal in a test without the
+# marker is a failure: the marker is missing). Behaviours that do not need FP8 run there
+# on a bf16 cache instead (``kvscale_testing.skips.KV_DTYPE``).
+from kvscale_testing.skips import CPU_FP8, FP8_SKIP_REASON  # noqa: E402
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
-    outcome = yield
-    report = outcome.get_result()
-    if CPU_FP8 or not report.failed or not is_fp8_cpu_refusal(call.excinfo):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if CPU_FP8:
         return
-    report.outcome = "skipped"
-    report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {FP8_SKIP_REASON}")
+    skip = pytest.mark.skip(reason=FP8_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("needs_fp8_cpu_cache") is not None:
+            item.add_marker(skip)
 
 
 def _fp8_header() -> str:
@@ -173,6 +174,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     EngineCore.__init__ = __init__  # type: ignore[method-assign]
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # A pytest-xdist worker hands its count to the controller (``pytest_testnodedown``).
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["kvscale_in_process_engines"] = _IN_PROCESS_ENGINES[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    _IN_PROCESS_ENGINES[0] += int(
+        getattr(node, "workeroutput", {}).get("kvscale_in_process_engines", 0)
+    )
+
+
 def pytest_terminal_summary(terminalreporter: object) -> None:
     try:
         with open(PROCESS_LOG, encoding="utf-8") as log:
@@ -181,7 +196,7 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
         processes = []
     write = terminalreporter.write_line  # type: ignore[attr-defined]
     write(
-        f"engine starts: {_IN_PROCESS_ENGINES[0]} in-process engine(s) in the test process; "
+        f"engine starts: {_IN_PROCESS_ENGINES[0]} in-process engine(s) in the test process(es); "
         f"{len(processes)} fresh process(es) imported vLLM (probes, engine cores, workers, "
         "servers, CLI calls; each pays ~15-20 s for the import)"
     )

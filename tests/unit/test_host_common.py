@@ -73,31 +73,3 @@ def test_kvscale_follows_the_hosts_log_handlers_unless_configured():
         assert logger.level == logging.WARNING and not logger.handlers
     finally:
         logger.handlers, logger.level, logger.filters = saved
-
-
-def test_only_vllms_fp8_refusal_is_a_skip_never_a_failed_assert():
-    """The one failure the suite reports as a skip on a CPU without AVX-512 / AMX is vLLM's
-    refusal itself, raised (or chained) as the test's exception; a failing assertion whose
-    message contains the refusal text stays a failure."""
-    import pytest
-    from kvscale_testing.skips import is_fp8_cpu_refusal
-
-    from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL
-
-    def raised(exc: BaseException) -> pytest.ExceptionInfo:
-        try:
-            raise exc
-        except BaseException:
-            return pytest.ExceptionInfo.from_current()
-
-    assert is_fp8_cpu_refusal(raised(NotImplementedError(FP8_CPU_REFUSAL + ".")))
-    try:
-        try:
-            raise NotImplementedError(FP8_CPU_REFUSAL)
-        except NotImplementedError as cause:
-            raise RuntimeError("Engine core initialization failed") from cause
-    except RuntimeError:
-        assert is_fp8_cpu_refusal(pytest.ExceptionInfo.from_current())
-    assert not is_fp8_cpu_refusal(raised(AssertionError(f"expected {FP8_CPU_REFUSAL!r}")))
-    assert not is_fp8_cpu_refusal(raised(ValueError("some other failure")))
-    assert not is_fp8_cpu_refusal(None)

@@ -48,3 +48,41 @@ if _PROCESS_LOG:
             return None
 
     sys.meta_path.insert(0, _FirstVllmImport())
+
+
+# Third duty: ``KVSCALE_TEST_CPU_WITHOUT_FP8=1`` makes this process -- and every process it
+# starts, which inherits the variable -- see a CPU without AVX-512 and AMX, as most laptops
+# and many cloud VMs are: torch's two capability checks (``torch.cpu._is_avx512_supported``,
+# ``_is_amx_tile_supported``), which vLLM's CPU attention asks before it refuses an FP8 KV
+# cache ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX") and the tests ask to declare
+# their skips, answer False once torch is imported. `make test-without-fp8-cpu` runs engine
+# tests so, to prove they skip or pass there, never fail.
+if os.environ.get("KVSCALE_TEST_CPU_WITHOUT_FP8") == "1":
+    import importlib.machinery  # noqa: E402
+
+    def _answer_no(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        return False
+
+    class _TorchWithoutFp8Cpu:
+        """A meta-path entry that lets ``import torch`` run, then patches the two checks."""
+
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+            if name != "torch":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):  # noqa: ANN001, ANN202
+                exec_module(module)
+                import torch.cpu as torch_cpu
+
+                torch_cpu._is_avx512_supported = _answer_no
+                torch_cpu._is_amx_tile_supported = _answer_no
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, _TorchWithoutFp8Cpu())
