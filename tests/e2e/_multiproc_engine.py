@@ -29,6 +29,9 @@ if __name__ == "__main__":
         enforce_eager=True,
         **ENGINE_DEFAULTS,
         tensor_parallel_size=tp,
+        # The test's cache: kvscale_testing.skips.KV_DTYPE (bf16 where vLLM's CPU
+        # attention refuses an FP8 cache).
+        kv_cache_dtype=os.environ.get("KVSCALE_TEST_KV_DTYPE", "auto"),
     )
     scales = llm.apply_model(model_kv_head_scales if per_head else model_kv_scales)
     out = llm.generate(

@@ -27,6 +27,10 @@ if __name__ == "__main__":
 
     from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
+    # The test's cache (kvscale_testing.skips.KV_DTYPE): bf16 on a CPU without AVX-512 /
+    # AMX, where vLLM refuses the FP8 cache the compressed-tensors scheme asks for.
+    KV_DTYPE = os.environ.get("KVSCALE_TEST_KV_DTYPE", "auto")
+
     plain, compressed = sys.argv[1], sys.argv[2]
     result: dict = {}
     params = SamplingParams(max_tokens=4, temperature=0.0)
@@ -34,7 +38,7 @@ if __name__ == "__main__":
     # a compressed-tensors one with a KV scheme, which stock vLLM serves on its own.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for label, model in (("plain", plain), ("compressed-tensors", compressed)):
-        llm = LLM(model=model, enforce_eager=True, **ENGINE_DEFAULTS)
+        llm = LLM(model=model, enforce_eager=True, kv_cache_dtype=KV_DTYPE, **ENGINE_DEFAULTS)
         out = llm.generate(["The quick brown fox"], params, use_tqdm=False)
         result[f"in-process {label}"] = {
             "tokens": len(out[0].outputs[0].token_ids),
@@ -45,7 +49,7 @@ if __name__ == "__main__":
         del llm
     # The default multiprocessing mode: the engine core and its worker in other processes.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    llm = LLM(model=compressed, enforce_eager=True, **ENGINE_DEFAULTS)
+    llm = LLM(model=compressed, enforce_eager=True, kv_cache_dtype=KV_DTYPE, **ENGINE_DEFAULTS)
     out = llm.generate(["The quick brown fox"], params, use_tqdm=False)
     result["multiprocess worker"] = {
         "tokens": len(out[0].outputs[0].token_ids),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvscale_testing.engines import attention_layers
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin import calibration as cal
 from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
@@ -46,6 +47,7 @@ def reference(models, prompts):
         return teacher_forced(llm, prompts)
 
 
+@needs_fp8_cpu_cache
 def test_calibrated_scales_serve_close_to_hand_picked_and_far_below_scale_one(
     models, prompts, reference
 ):
@@ -71,6 +73,7 @@ def test_calibrated_scales_serve_close_to_hand_picked_and_far_below_scale_one(
     assert ours.top1_agreement >= unit.top1_agreement
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("quantization", [None, "kvscale"], ids=["stock", "kvscale"])
 def test_attn_head_output_loads_per_head(models, prompts, reference, quantization):
     # Stock vLLM 0.32 and kvscale serve strategy attn_head: the written

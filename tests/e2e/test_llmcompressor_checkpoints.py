@@ -28,6 +28,7 @@ from kvscale_testing.llmcompressor import (
     llmcompressor_checkpoints,
     quantization_config,
 )
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     FP8_CPU_REFUSAL,
@@ -303,6 +304,7 @@ def test_bf16_cache(checkpoints, name, quantization):
     assert logprobs == reference
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("name", SERVED)
 @pytest.mark.parametrize("quantization", [None, "kvscale"], ids=["stock", "kvscale"])
 def test_fp8_cache(checkpoints, kvscale_warnings, name, quantization):

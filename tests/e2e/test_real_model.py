@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin import calibration as cal
 from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
@@ -90,6 +91,7 @@ def test_recorded_maxima_equal_the_bf16_cache_for_every_layer(smollm2, calibrate
     assert inspect_checkpoint(calibrated.out_dir).exit_status == 0
 
 
+@needs_fp8_cpu_cache
 def test_served_calibrated_scales_keep_quality_and_clipping_breaks_it(
     smollm2, calibrated, tmp_path
 ):

@@ -28,6 +28,7 @@ from kvscale_testing.checkpoints import reference_token_ids
 from kvscale_testing.cpu_cache import contract
 from kvscale_testing.cpu_cache import expected_vec_cache as expected_cache
 from kvscale_testing.engines import attention_layers
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo import tinymodels
 from kvscale_plugin.demo.probe import (
@@ -209,6 +210,7 @@ ENGINES = [
 ROUTES = {None: "c:vec", "rne": "c:vec", "rne-torch": "torch:vec"}
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize(("dtype", "head_dim", "block_size", "mode"), ENGINES)
 def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size, mode):
     with (
@@ -253,6 +255,7 @@ def test_real_layer_writes_the_contract(checkpoint, dtype, head_dim, block_size,
                 )
 
 
+@needs_fp8_cpu_cache
 def test_one_plan_per_forward_step(checkpoint):
     """The plain-torch write: the byte offsets of a step's tokens are computed once per
     vLLM forward context and shared by its layers; the next step computes them again
@@ -306,6 +309,7 @@ def test_one_plan_per_forward_step(checkpoint):
 # A real generate: chunked prefill, decode, prefix caching --------------------------
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("mode", [None, "rne-torch"])
 def test_generate_stores_contract_bytes(checkpoint, mode):
     from vllm import SamplingParams
@@ -412,6 +416,7 @@ def assert_vllm_write_kept(llm: Any) -> None:
         assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8)), name
 
 
+@needs_fp8_cpu_cache
 def test_stock_fp8_layers_keep_vllms_write(checkpoint):
     with write_mode(None), vllm_engine(checkpoint(64)) as llm:  # no --quantization kvscale
         warm(llm)
@@ -432,6 +437,7 @@ def test_kvscale_bf16_cache_keeps_vllms_write(checkpoint):
         assert_vllm_write_kept(llm)
 
 
+@needs_fp8_cpu_cache
 def test_env_var_restores_vllms_write(checkpoint, kvscale_warnings):
     with write_mode("vllm"), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
         warm(llm)
@@ -439,6 +445,7 @@ def test_env_var_restores_vllms_write(checkpoint, kvscale_warnings):
     assert len(kvscale_warnings("KVSCALE_CPU_FP8_WRITE=vllm")) == 1
 
 
+@needs_fp8_cpu_cache
 def test_unproven_layout_falls_back_with_one_warning(checkpoint, kvscale_warnings, monkeypatch):
     with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
         layers = list(attention_layers(llm).values())
@@ -469,6 +476,7 @@ def test_unproven_layout_falls_back_with_one_warning(checkpoint, kvscale_warning
         assert len(kvscale_warnings("write (torch) does not reproduce vLLM's 'vec' cache")) == 1
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("mode", [None, "rne-torch"])
 def test_cache_storage_swapped_in_place_is_followed(checkpoint, mode):
     """The compiled write holds a raw pointer per layer: when the same cache tensor object
@@ -496,6 +504,7 @@ def test_cache_storage_swapped_in_place_is_followed(checkpoint, mode):
         assert torch.equal(old_view, old_bytes), name  # the old storage was not written
 
 
+@needs_fp8_cpu_cache
 def test_without_a_compiler_the_torch_write_serves(checkpoint, kvscale_warnings, monkeypatch):
     """No C compiler (or Python headers) on the machine: one warning, and every layer
     writes the same contract bytes with the plain-torch write."""
@@ -528,6 +537,7 @@ def test_without_a_compiler_the_torch_write_serves(checkpoint, kvscale_warnings,
         cpu_native._forget()
 
 
+@needs_fp8_cpu_cache
 def test_kvscale_layers_get_the_write_and_vllms_class_is_untouched(checkpoint):
     """The write reaches kvscale's layers only: each one's attention impl is an instance of
     a kvscale subclass of vLLM's impl class (one per class, idempotent), while vLLM's
@@ -554,6 +564,7 @@ def test_kvscale_layers_get_the_write_and_vllms_class_is_untouched(checkpoint):
 # Accuracy on the tiny boosted model ---------------------------------------------------
 
 
+@needs_fp8_cpu_cache
 def test_rne_write_is_closer_to_the_bf16_cache_than_vllms(checkpoint):
     model = checkpoint(64)
     ids = reference_token_ids(model)
@@ -587,6 +598,7 @@ if __name__ == "__main__":
 """
 
 
+@needs_fp8_cpu_cache
 def test_engine_core_process_uses_the_rne_write(checkpoint, tmp_path):
     """Default multiprocessing mode: the engine core finds the plugin through its entry
     point, and its layers write through kvscale's CPU write."""

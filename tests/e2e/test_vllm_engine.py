@@ -13,6 +13,7 @@ import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import reload_weights
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -52,6 +53,7 @@ def bf16_reference(calibrated):
         return ids, teacher_forced_logprobs(llm, ids)
 
 
+@needs_fp8_cpu_cache
 def test_per_layer_scales_loaded_and_used(calibrated, bf16_reference, tiny):
     ids, reference = bf16_reference
     stored = read_stored_scales(calibrated)
@@ -82,6 +84,7 @@ def test_per_layer_scales_loaded_and_used(calibrated, bf16_reference, tiny):
     assert ours_mean * 2.5 < one_mean
 
 
+@needs_fp8_cpu_cache
 def test_legacy_kv_scale_duplicated_to_v(tiny):
     ckpt = tiny("kv_scale", naming="kv_scale")
     stored = read_stored_scales(ckpt)
@@ -98,6 +101,7 @@ def test_legacy_kv_scale_duplicated_to_v(tiny):
         assert s.v == 1.0
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("naming", ["output_scale", "k_proj", "qkv_proj"])
 def test_scale_namings_loaded(tiny, naming):
     ckpt = tiny(f"naming-{naming}", naming=naming)
@@ -114,6 +118,7 @@ def test_stock_ignores_output_scale_naming(tiny):
             pass
 
 
+@needs_fp8_cpu_cache
 def test_scheme_without_scales_uses_one_and_warns_once(tiny, kvscale_warnings):
     ckpt = tiny("noscales", write_scales=False)
     with vllm_engine(ckpt, quantization="kvscale") as llm:
@@ -153,6 +158,7 @@ def test_unsupported_scheme_starts_unscaled(tiny, kvscale_warnings, case):
     assert reason in warnings[0]
 
 
+@needs_fp8_cpu_cache
 def test_unsupported_scheme_with_explicit_fp8_ignores_checkpoint_scales(tiny):
     scheme, _ = UNSUPPORTED["channel"]
     ckpt = tiny("unsupported-channel", kv_cache_scheme=scheme)
@@ -222,6 +228,7 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
     assert "model.layers.0.self_attn.v_scale" not in text  # 2.0 is fine
 
 
+@needs_fp8_cpu_cache
 def test_an_engine_that_failed_to_start_leaves_no_state_behind(tiny):
     # A half-built engine used to leave vLLM's distributed state behind, and the next
     # MoE engine in the process failed ("expert parallel group is not initialized").
@@ -241,6 +248,7 @@ def test_no_quantization_config_gives_clear_error(tiny):
             pass
 
 
+@needs_fp8_cpu_cache
 def test_reload_dummy_then_real_then_new_scales(tiny):
     first = tiny("default", num_layers=2)
     second = tiny("reload-b", num_layers=2, scales={0: (5.5, 6.5), 1: (7.25, 8.75)})
@@ -262,6 +270,7 @@ def test_reload_dummy_then_real_then_new_scales(tiny):
         assert_scales_equal_checkpoint(layer_scales(llm), read_stored_scales(first))
 
 
+@needs_fp8_cpu_cache
 def test_scheme_with_omitted_fields_uses_library_defaults(tiny, caplog):
     # Real checkpoints sometimes omit strategy / symmetric / dynamic.
     ckpt = tiny("minimal-scheme", kv_cache_scheme={"num_bits": 8, "type": "float"})
@@ -278,6 +287,7 @@ def test_scheme_with_omitted_fields_uses_library_defaults(tiny, caplog):
             pass
 
 
+@needs_fp8_cpu_cache
 def test_reload_legacy_kv_scale_leaves_no_stale_v(tiny):
     big = tiny("kv_scale-big", naming="kv_scale", scales={0: (6.0, 6.0), 1: (7.0, 7.0)})
     small = tiny("kv_scale-small", naming="kv_scale", scales={0: (2.5, 2.5), 1: (3.5, 3.5)})
@@ -287,6 +297,7 @@ def test_reload_legacy_kv_scale_leaves_no_stale_v(tiny):
         assert_scales_equal_checkpoint(layer_scales(llm), read_stored_scales(small))
 
 
+@needs_fp8_cpu_cache
 def test_reload_on_fnuz_doubles_once(tiny, monkeypatch):
     from kvscale_plugin.hosts.vllm import method as _vllm_impl
 
@@ -303,6 +314,7 @@ def test_reload_on_fnuz_doubles_once(tiny, monkeypatch):
                 assert (s.v, s.v_float, s.v_cpu) == pytest.approx((2 * want["v"],) * 3, rel=1e-6)
 
 
+@needs_fp8_cpu_cache
 def test_real_reload_without_scales_after_a_dummy_start_is_reported(tiny, kvscale_warnings):
     """vLLM's in-place reload never calls the KV method of an attention layer that gets
     no tensor; kvscale still says once (per engine) that the reloaded checkpoint declares

@@ -27,6 +27,7 @@ from _run_script import run_script
 from _weight_transfer import FileTransfer, in_process_worker
 from kvscale_testing.checkpoints import read_stored_mtp_scales, read_stored_scales
 from kvscale_testing.engines import reload_weights
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
@@ -98,6 +99,7 @@ def _counter(llm, name: str) -> int:
     return sum(int(m.value) for m in llm.get_metrics() if m.name == name)
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("family", sorted(DRAFT_LAYER))
 def test_draft_layers_hold_the_checkpoint_mtp_scales(tiny, kvscale_warnings, family):
     ckpt = _mtp_ckpt(tiny, family)
@@ -135,6 +137,7 @@ def test_stock_cannot_load_mtp_scales(tiny, family, error, match):
             pass
 
 
+@needs_fp8_cpu_cache
 def test_stock_loads_qwen3_next_mtp_scales(tiny):
     # Qwen3-Next's draft applies the quantization config's scale-name mapper: stock
     # loads its MTP scales too (MiMo's and GLM-4-MoE's drafts never apply it).
@@ -145,6 +148,7 @@ def test_stock_loads_qwen3_next_mtp_scales(tiny):
     assert (draft.k, draft.v) == pytest.approx((want["k"], want["v"]), rel=REL)
 
 
+@needs_fp8_cpu_cache
 def test_without_speculative_decoding_mtp_scales_stay_unused_silently(tiny, kvscale_warnings):
     ckpt = _mtp_ckpt(tiny, "glm4_moe")
     with vllm_engine(ckpt, quantization="kvscale") as llm:
@@ -156,6 +160,7 @@ def test_without_speculative_decoding_mtp_scales_stay_unused_silently(tiny, kvsc
     assert not kvscale_warnings("reloads the target model only")
 
 
+@needs_fp8_cpu_cache
 def test_mtp_scales_in_the_other_naming_do_not_reach_the_target(tiny, kvscale_warnings):
     """Both MTP namings apply to every family: a MiMo checkpoint that also names MTP
     layer 0 ``model.layers.{L}`` (L = num_hidden_layers) starts -- the target never gets
@@ -180,6 +185,7 @@ def test_mtp_scales_in_the_other_naming_do_not_reach_the_target(tiny, kvscale_wa
     assert not kvscale_warnings("name no attention layer")
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
 def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings, family):
     """vLLM 0.32's ``reload_weights`` reloads the target model only (the drafter never
@@ -207,6 +213,7 @@ def test_reload_keeps_the_draft_scales_and_says_so(tiny, kvscale_warnings, famil
     assert MTP_K_SCALE[family] in warned[0], warned
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
 def test_draft_weight_sync_takes_the_new_mtp_scales(tiny, kvscale_warnings, family):
     """RL weight sync on the real worker (``_weight_transfer.FileTransfer`` in the NCCL
@@ -257,6 +264,7 @@ def test_corrupt_mtp_scale_names_the_checkpoint_tensor(tiny):
     assert "v_scale" not in text, text
 
 
+@needs_fp8_cpu_cache
 def test_missing_and_stray_mtp_scales_warn_once_each(tiny, kvscale_warnings):
     # MTP layer 0 has no scales; the checkpoint names an MTP layer 1 the model lacks.
     stray = {"model.mtp_layers.1.self_attn.k_scale": torch.tensor([3.0])}
@@ -273,6 +281,7 @@ def test_missing_and_stray_mtp_scales_warn_once_each(tiny, kvscale_warnings):
     assert len(unmapped) == 1 and "model.mtp_layers.1.self_attn.k_scale" in unmapped[0]
 
 
+@needs_fp8_cpu_cache
 def test_tensor_parallel_draft_ranks_hold_their_heads(tiny, tmp_path):
     """MiMo + MTP at TP=2 (multiprocessing executor) with per-head scales: each rank's
     draft layer holds its own KV head's checkpoint scale, as the target's layers do."""
@@ -305,6 +314,7 @@ def test_tensor_parallel_draft_ranks_hold_their_heads(tiny, tmp_path):
 TEST_TORCHVISION = Path(__file__).resolve().parents[2] / "build" / "test-torchvision"
 
 
+@needs_fp8_cpu_cache
 def test_qwen3_5_draft_layer_holds_the_checkpoint_mtp_scales(tiny, tmp_path):
     assert (TEST_TORCHVISION / "sitecustomize.py").is_file(), (
         f"{TEST_TORCHVISION} is missing: run `make build/test-torchvision/.installed`"

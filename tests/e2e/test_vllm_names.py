@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
 
@@ -24,6 +25,7 @@ def _assert_loaded(ckpt, scales):
         assert s.pool_is_fp8
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_naming_zoo_per_family(tiny, family):
     # Layer i uses naming ZOO[i]: every convention in one engine per family.
@@ -39,6 +41,7 @@ def test_naming_zoo_per_family(tiny, family):
         _assert_loaded(ckpt, layer_scales(llm))
 
 
+@needs_fp8_cpu_cache
 def test_third_party_rule_package(tiny, kvscale_warnings):
     from kvscale_plugin.names import reset_plugin_manager
 
@@ -57,6 +60,7 @@ def test_third_party_rule_package(tiny, kvscale_warnings):
     assert len(broken) == 1, broken
 
 
+@needs_fp8_cpu_cache
 def test_unmapped_scale_names_one_warning(tiny, kvscale_warnings):
     stray = {
         "model.layers.7.self_attn.k_scale": torch.tensor([3.0]),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from _run_script import run_script
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -31,6 +32,7 @@ def _run_multiproc(ckpt: Path, ids: list[int], mode: str, size: int, tmp_path: P
     return run_script("_multiproc_pp.py", *args, tmp_path=tmp_path)
 
 
+@needs_fp8_cpu_cache
 def test_pipeline_parallel_ranks_hold_their_layers_scales(tiny, tmp_path):
     ckpt = tiny("calibrated", num_layers=3)
     ids = list(reference_token_ids(ckpt))

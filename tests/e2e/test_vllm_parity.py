@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from kvscale_testing.engines import attention_layers
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.hosts.vllm import parity as vllm_parity
@@ -44,6 +45,7 @@ def test_nvfp4_decision_matches_stock(tiny, tmp_path):
     assert dense.is_nvfp4_quantized() is False
 
 
+@needs_fp8_cpu_cache
 def test_perf_metrics_know_the_method(tiny):
     from vllm.v1.metrics import perf
 
@@ -66,6 +68,7 @@ def test_vision_tower_difference_is_reported_once(kvscale_warnings):
     assert len(kvscale_warnings("Gemma4ForConditionalGeneration builds its vision tower")) == 1
 
 
+@needs_fp8_cpu_cache
 def test_q_and_prob_scales_match_stock(tiny):
     # A checkpoint without q / prob scales: stock ends with 1.0 for both.
     ckpt = tiny("default", num_layers=2)
@@ -80,6 +83,7 @@ def test_q_and_prob_scales_match_stock(tiny):
     assert all(v == (1.0, 1.0, 1.0) for v in results["kvscale"].values())
 
 
+@needs_fp8_cpu_cache
 def test_no_scheme_explicit_fp8_uses_checkpoint_scales_like_stock(tiny):
     scales = {
         f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor([value], dtype=torch.float32)
@@ -101,6 +105,7 @@ def test_no_scheme_explicit_fp8_uses_checkpoint_scales_like_stock(tiny):
         assert all(not s.pool_is_fp8 and s.source is None for s in layer_scales(llm).values())
 
 
+@needs_fp8_cpu_cache
 def test_each_engine_in_a_process_hears_its_own_warnings(tiny, caplog):
     ckpt = tiny("scales-missing", num_layers=2, write_scales=False)
     caplog.set_level(logging.WARNING, logger="kvscale_plugin")

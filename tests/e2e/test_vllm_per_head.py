@@ -14,6 +14,7 @@ import pytest
 from _run_script import run_script
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import attention_layers, reload_weights
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -60,6 +61,7 @@ def reference(per_head):
         return ids, teacher_forced_logprobs(llm, ids)
 
 
+@needs_fp8_cpu_cache
 def test_per_head_scales_load_per_head_with_an_fp8_pool(per_head, reference, tiny, monkeypatch):
     ids, ref = reference
     # Compare scale handling alone: vLLM's own CPU cache write for kvscale layers too
@@ -101,6 +103,7 @@ def test_per_head_scales_load_per_head_with_an_fp8_pool(per_head, reference, tin
     assert errors["per-head"] * 3 < errors["scale 1.0"], errors
 
 
+@needs_fp8_cpu_cache
 def test_per_head_legacy_kv_scale_serves_k_and_v(tiny):
     ckpt = per_head_ckpt(tiny, "per-head-kv_scale", naming="kv_scale")
     with vllm_engine(ckpt, quantization="kvscale") as llm:
@@ -132,6 +135,7 @@ def test_wrong_head_count_is_a_clear_error(tiny):
     assert "expects [2, 1, 1] or [2]" in text
 
 
+@needs_fp8_cpu_cache
 def test_reload_dummy_then_real_then_new_per_head_scales(tiny, per_head):
     other = per_head_ckpt(
         tiny, "per-head-b", scales={i: ([1.5 + i, 2.5], [3.5, 4.5 + i]) for i in range(3)}
@@ -155,6 +159,7 @@ def test_reload_dummy_then_real_then_new_per_head_scales(tiny, per_head):
                 assert lyr._kvscale_k_max.data_ptr() == max_ptrs[name]
 
 
+@needs_fp8_cpu_cache
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["partitioned", "replicated"])
 def test_tensor_parallel_ranks_hold_their_heads(tiny, tmp_path, num_kv_heads):
     boost = HEAD_BOOST[:num_kv_heads]

@@ -28,6 +28,7 @@ import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import reload_weights, vec_layout_dtype
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -154,6 +155,7 @@ def test_scheme_of_the_wrong_type_starts_unscaled_with_one_warning(tiny, kvscale
     assert len(warnings) == 1 and "malformed" in warnings[0], warnings
 
 
+@needs_fp8_cpu_cache
 def test_odd_but_valid_scales_load_exactly(tiny):
     """f16 [1], bf16 0-d, f64 [1, 1, 1], a tiny (2e-8) and a huge (9e3) scale: all
     positive finite float32 numbers inside the plausible range [2**-27, 1e4], so the engine
@@ -191,6 +193,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@needs_fp8_cpu_cache
 def test_reload_storm(tiny, kvscale_warnings):
     a = tiny("storm-a", num_layers=2, scales={0: (3.5, 2.25), 1: (4.75, 2.5)})
     b = tiny("storm-b", num_layers=2, scales={0: (5.5, 6.5), 1: (7.25, 8.75)})
@@ -254,6 +257,7 @@ class _SideEffect:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('unpickled')",))
 
 
+@needs_fp8_cpu_cache
 def test_no_code_from_checkpoints(tiny, tmp_path):
     ckpt = tmp_path / "booby-trapped"
     shutil.copytree(tiny("default", num_layers=2), ckpt)
@@ -296,7 +300,9 @@ def test_no_code_from_checkpoints(tiny, tmp_path):
 UNCALIBRATED_Q = (-5e21, math.inf, 2e24, 8.8e-39)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "auto"])
+@pytest.mark.parametrize(
+    "kv_cache_dtype", ["bfloat16", pytest.param("auto", marks=needs_fp8_cpu_cache)]
+)
 def test_unread_corrupt_q_scales_warn_once_and_serve(tiny, caplog, kv_cache_dtype):
     """A q scale that no attention here reads (vLLM's CPU attention never quantizes
     queries) does not stop the engine: one warning names every checkpoint tensor as it is

@@ -24,6 +24,7 @@ import pytest
 import torch
 from _weight_transfer import FileTransfer, in_process_worker
 from kvscale_testing.engines import reload_weights
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
@@ -48,6 +49,7 @@ def _generates(llm) -> bool:
     return len(out[0].outputs[0].token_ids) == 4
 
 
+@needs_fp8_cpu_cache
 def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
     good = tiny("reload-good", scales=GOOD)
     one_bad = tiny("reload-one-bad", scales={0: (2.5, 3.5), 1: (math.nan, 5.5)})
@@ -97,6 +99,7 @@ def test_corrupt_reloads_are_refused_and_forgotten(tiny, kvscale_warnings):
         assert _held(llm) == GOOD
 
 
+@needs_fp8_cpu_cache
 def test_weight_transfer_session_with_corrupt_scales_is_refused_and_ended(tiny):
     """RL weight sync (``start_weight_update`` / ``update_weights`` /
     ``finish_weight_update`` on the real worker, ``_weight_transfer.FileTransfer`` in the

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from _server import openai_server
 from kvscale_testing.checkpoints import reference_token_ids
+from kvscale_testing.skips import KV_DTYPE
 
 from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
 
@@ -69,7 +70,11 @@ def test_data_parallel_server_answers_a_burst_correctly(tiny, tmp_path):
 
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node: engines share it
     with openai_server(
-        ckpt, tmp_path, extra=["--data-parallel-size", str(DP)], env=env, ready_s=300
+        ckpt,
+        tmp_path,
+        extra=["--data-parallel-size", str(DP), "--kv-cache-dtype", KV_DTYPE],
+        env=env,
+        ready_s=300,
     ) as server:
         # Idle: the fixed text on each engine (pinned by rank).
         idle = {r: server.prompt_logprobs(ids, rank=r) for r in range(DP)}
@@ -107,7 +112,7 @@ def test_data_parallel_server_answers_a_burst_correctly(tiny, tmp_path):
         errors = _log_errors(server.log.read_text())
 
     # The same text on an in-process kvscale engine (TP=1, no DP).
-    with vllm_engine(ckpt, quantization="kvscale") as llm:
+    with vllm_engine(ckpt, quantization="kvscale", kv_cache_dtype=KV_DTYPE) as llm:
         in_process = teacher_forced_logprobs(llm, ids)
 
     idle_dev = {r: _max_dev(run, in_process) for r, run in idle.items()}

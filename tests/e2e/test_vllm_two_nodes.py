@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from _server import PORT_ATTEMPTS, free_port, lost_port_race
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
-from kvscale_testing.engines import cpu_runs_fp8_cache
+from kvscale_testing.skips import KV_DTYPE
 
 from kvscale_plugin.demo.probe import layer_index
 from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
@@ -157,11 +157,11 @@ def _result(proc: subprocess.CompletedProcess[str]) -> dict:
 
 
 #: The TP case's cache: FP8 (the scheme's, kvscale's write) where vLLM's CPU attention runs
-#: one (AVX-512 / AMX), else bf16 -- chosen when the tests are collected, not skipped. Two
-#: nodes with TP and a bf16 cache proves nothing the FP8 case does not (the same ranks, the
-#: same deployment check; the FP8 case also reads each rank's scales), and each case costs
-#: about eight fresh vLLM processes.
-TP_KV_DTYPE = "auto" if cpu_runs_fp8_cache() else "bfloat16"
+#: one (AVX-512 / AMX), else bf16 (``KV_DTYPE``) -- chosen when the tests are collected, not
+#: skipped. Two nodes with TP and a bf16 cache proves nothing the FP8 case does not (the
+#: same ranks, the same deployment check; the FP8 case also reads each rank's scales), and
+#: each case costs about eight fresh vLLM processes.
+TP_KV_DTYPE = KV_DTYPE
 
 
 @pytest.mark.parametrize(("parallel", "kv_dtype"), [("tp", TP_KV_DTYPE), ("pp", "bfloat16")])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from _run_script import run_script
+from kvscale_testing.skips import KV_DTYPE
 
 pytestmark = pytest.mark.engine
 
@@ -22,7 +23,12 @@ def test_a_stock_engine_runs_vllms_own_code_and_hears_nothing_of_kvscale(tiny, t
     compressed = tiny("untouched-ct", num_layers=2)
     output: list[str] = []
     result = run_script(
-        "_stock_engine.py", str(plain), str(compressed), tmp_path=tmp_path, output=output
+        "_stock_engine.py",
+        str(plain),
+        str(compressed),
+        tmp_path=tmp_path,
+        output=output,
+        env={"KVSCALE_TEST_KV_DTYPE": KV_DTYPE},
     )
     assert result["registered"], result  # kvscale was there: registered, and nothing more
     for run in ("in-process plain", "in-process compressed-tensors", "multiprocess worker"):

@@ -67,15 +67,19 @@ if os.environ.get("KVSCALE_TEST_CPU_WITHOUT_FP8") == "1":
         """A meta-path entry that lets ``import torch`` run, then patches the two checks."""
 
         def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+            # Stays on the meta path until torch is imported: a bare
+            # ``importlib.util.find_spec("torch")`` (vLLM asks one first) imports nothing.
             if name != "torch":
                 return None
-            sys.meta_path.remove(self)
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             if spec is None or spec.loader is None:
                 return spec
             exec_module = spec.loader.exec_module
+            finder = self
 
             def exec_and_patch(module):  # noqa: ANN001, ANN202
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
                 exec_module(module)
                 import torch.cpu as torch_cpu
 
