@@ -41,9 +41,9 @@ COMPAT_VLLM := 0.30.0 0.31.0
 # a CPU with AMX, vLLM 0.32's CPU kernels use it without asking, and a fresh engine process
 # dies with SIGILL.
 AMX_SITE := $(CURDIR)/tests/support/amx_site
-test test-fast test-sglang test-compat llmcompressor-checkpoints eval bench bench-serve: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
+test test-fast test-sglang test-compat test-without-fp8-cpu llmcompressor-checkpoints eval bench bench-serve: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: check-vllm venv envs test test-fast test-sglang test-compat lint format bench bench-serve eval clean llmcompressor-checkpoints
+.PHONY: check-vllm venv envs test test-fast test-sglang test-compat test-without-fp8-cpu lint format bench bench-serve eval clean llmcompressor-checkpoints
 
 venv: $(VENV)/.kvscale-installed
 
@@ -115,9 +115,35 @@ test-compat: envs
 llmcompressor-checkpoints: envs
 	$(LLMCOMPRESSOR_VENV)/bin/python tests/fixtures/llmcompressor/make_checkpoints.py
 
-# The main suite prints its 25 slowest tests and, at the end, every skip with its reason.
-test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed llmcompressor-checkpoints test-sglang test-compat
-	$(PY) $(PYTEST) --durations=25 -rfEs
+# Engine tests on a CPU without AVX-512 / AMX, simulated on this one (every test process's
+# torch answers "no" to both, as vLLM's CPU attention asks: tests/support/amx_site): each
+# one passes (on a bf16 cache where FP8 is not what it checks) or is skipped up front by
+# its needs_fp8_cpu_cache marker -- never fails.
+WITHOUT_FP8_TESTS := tests/e2e/test_cpu_without_fp8.py tests/e2e/test_vllm_untouched.py \
+	tests/e2e/test_vllm_processes.py tests/e2e/test_vllm_mtp.py \
+	tests/e2e/test_vllm_reliability.py::test_unread_corrupt_q_scales_warn_once_and_serve \
+	tests/e2e/test_demo.py::test_demo_table_shows_stock_vs_kvscale
+test-without-fp8-cpu: venv $(TEST_RULES)/.installed
+	KVSCALE_TEST_CPU_WITHOUT_FP8=1 $(PY) $(PYTEST) -rfEs $(WITHOUT_FP8_TESTS)
+
+# The main suite (two pytest-xdist workers, a test file each at a time) runs while the
+# SGLang suite, the compat suite and the without-AVX-512 set run beside it; each side run's
+# log is printed when the main suite is done. The main suite prints its 25 slowest tests,
+# the engine starts and, at the end, every skip with its reason.
+test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed llmcompressor-checkpoints
+	@mkdir -p build; rm -f build/side-*.rc; start=$$SECONDS; \
+	for side in test-sglang test-compat test-without-fp8-cpu; do \
+	  { $(MAKE) --no-print-directory $$side > build/side-$$side.log 2>&1; \
+	    echo $$? > build/side-$$side.rc; } & \
+	done; \
+	rc=0; $(PY) $(PYTEST) -n 2 --dist loadfile --durations=25 -rfEs || rc=$$?; \
+	wait; \
+	for side in test-sglang test-compat test-without-fp8-cpu; do \
+	  echo "== make $$side (beside the main suite): exit $$(cat build/side-$$side.rc)"; \
+	  tail -n 30 build/side-$$side.log; \
+	  [ "$$(cat build/side-$$side.rc)" = 0 ] || rc=1; \
+	done; \
+	echo "make test: $$((SECONDS - start)) s after the set-up"; exit $$rc
 
 test-fast: venv $(TEST_RULES)/.installed
 	$(PY) $(PYTEST) -m "not engine and not slow and not compile" tests/unit tests/kernels

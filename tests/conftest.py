@@ -125,16 +125,21 @@ def kvscale_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], list[s
 # reason; nothing turns a failure into a skip afterwards (a refusal in a test without the
 # marker is a failure: the marker is missing). Behaviours that do not need FP8 run there
 # on a bf16 cache instead (``kvscale_testing.skips.KV_DTYPE``).
-from kvscale_testing.skips import CPU_FP8, FP8_SKIP_REASON  # noqa: E402
+from kvscale_testing.skips import AVX512_TP_SKIP_REASON, CPU_FP8, FP8_SKIP_REASON  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if CPU_FP8:
         return
-    skip = pytest.mark.skip(reason=FP8_SKIP_REASON)
+    skips = {
+        "needs_fp8_cpu_cache": pytest.mark.skip(reason=FP8_SKIP_REASON),
+        "needs_avx512_cpu_for_tp": pytest.mark.skip(reason=AVX512_TP_SKIP_REASON),
+    }
     for item in items:
-        if item.get_closest_marker("needs_fp8_cpu_cache") is not None:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
+                break
 
 
 def _fp8_header() -> str:

@@ -14,7 +14,7 @@ import pytest
 from _run_script import run_script
 from _server import openai_server
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
-from kvscale_testing.skips import KV_DTYPE
+from kvscale_testing.skips import KV_DTYPE, needs_avx512_cpu_for_tp
 
 from kvscale_plugin.demo.probe import layer_index, vllm_engine
 from kvscale_plugin.hosts.vllm import internals
@@ -39,7 +39,7 @@ def _greedy_tokens_in_process(model_dir: Path, ids: list[int]) -> list[int]:
         return list(out[0].outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=needs_avx512_cpu_for_tp)])
 def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
     ckpt = tiny("default", num_layers=2)
     ids = list(reference_token_ids(ckpt))[:24]

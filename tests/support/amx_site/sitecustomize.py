@@ -63,6 +63,14 @@ if os.environ.get("KVSCALE_TEST_CPU_WITHOUT_FP8") == "1":
     def _answer_no(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
         return False
 
+    _WITHOUT_FP8_CHECKS = (
+        "_is_avx512_supported",
+        "_is_amx_tile_supported",
+        "_is_avx512_bf16_supported",
+        "_is_vnni_supported",
+        "_is_amx_fp16_supported",
+    )
+
     class _TorchWithoutFp8Cpu:
         """A meta-path entry that lets ``import torch`` run, then patches the two checks."""
 
@@ -83,8 +91,11 @@ if os.environ.get("KVSCALE_TEST_CPU_WITHOUT_FP8") == "1":
                 exec_module(module)
                 import torch.cpu as torch_cpu
 
-                torch_cpu._is_avx512_supported = _answer_no
-                torch_cpu._is_amx_tile_supported = _answer_no
+                # The two vLLM asks, and the rest of that family (AVX-512 BF16 / VNNI, AMX
+                # FP16), so that nothing asks torch about a CPU that is half AVX-512.
+                for check in _WITHOUT_FP8_CHECKS:
+                    if hasattr(torch_cpu, check):
+                        setattr(torch_cpu, check, _answer_no)
 
             spec.loader.exec_module = exec_and_patch
             return spec

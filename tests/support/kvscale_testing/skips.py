@@ -20,3 +20,14 @@ FP8_SKIP_REASON = (
 KV_DTYPE = "auto" if CPU_FP8 else "bfloat16"
 #: The marker: ``@needs_fp8_cpu_cache`` (or ``pytestmark = needs_fp8_cpu_cache``).
 needs_fp8_cpu_cache = pytest.mark.needs_fp8_cpu_cache
+
+#: vLLM 0.32's CPU build on a CPU without AVX-512 loads its AVX2 kernels (``vllm._C_AVX2``),
+#: and a tensor-parallel engine given token-id prompts then fails in the vocab-parallel
+#: embedding ("IndexError: index out of range in self") -- stock vLLM alike, kvscale not
+#: loaded (seen with the CPU checks answering "no": ``make test-without-fp8-cpu``).
+AVX512_TP_SKIP_REASON = (
+    "this CPU has neither AVX-512 nor AMX: vLLM's AVX2 kernels fail tensor-parallel engines "
+    "on token-id prompts (IndexError in the vocab-parallel embedding, stock vLLM alike)"
+)
+#: The marker for those: ``@needs_avx512_cpu_for_tp``.
+needs_avx512_cpu_for_tp = pytest.mark.needs_avx512_cpu_for_tp
