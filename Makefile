@@ -126,7 +126,9 @@ WITHOUT_FP8_TESTS := tests/e2e/test_cpu_without_fp8.py tests/e2e/test_vllm_untou
 test-without-fp8-cpu: venv $(TEST_RULES)/.installed
 	KVSCALE_TEST_CPU_WITHOUT_FP8=1 $(PY) $(PYTEST) -rfEs $(WITHOUT_FP8_TESTS)
 
-# The main suite (two pytest-xdist workers, a test file each at a time) runs while the
+# The main suite (two pytest-xdist workers, a test file each at a time; a short --basetemp:
+# the engines' ZeroMQ sockets live in each test's temp folder, and a socket path has at most
+# 107 characters) runs while the
 # SGLang suite, the compat suite and the without-AVX-512 set run beside it; each side run's
 # log is printed when the main suite is done. The main suite prints its 25 slowest tests,
 # the engine starts and, at the end, every skip with its reason.
@@ -136,7 +138,9 @@ test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed llmcompr
 	  { $(MAKE) --no-print-directory $$side > build/side-$$side.log 2>&1; \
 	    echo $$? > build/side-$$side.rc; } & \
 	done; \
-	rc=0; $(PY) $(PYTEST) -n 2 --dist loadfile --durations=25 -rfEs || rc=$$?; \
+	tmp=$$(mktemp -d /tmp/kvt.XXXXXX); rc=0; \
+	$(PY) $(PYTEST) -n 2 --dist loadfile --basetemp=$$tmp --durations=25 -rfEs || rc=$$?; \
+	[ $$rc -ne 0 ] || rm -rf $$tmp; \
 	wait; \
 	for side in test-sglang test-compat test-without-fp8-cpu; do \
 	  echo "== make $$side (beside the main suite): exit $$(cat build/side-$$side.rc)"; \

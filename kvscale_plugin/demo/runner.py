@@ -265,9 +265,7 @@ def scale_lines(results: list[EngineResult]) -> list[tuple[str, str, list[float]
     engine that read scales -- also one vLLM refused after loading them (an FP8 cache on a
     CPU without AVX-512 / AMX: the layers held these scales when it refused), dotted."""
     lines = []
-    for r in results:
-        if not r.v_scales:
-            continue
+    for r in (r for r in results if r.v_scales):
         style = ("-" if r.engine == "kvscale" else "--") if r.started else ":"
         label = f"{r.variant} / {r.engine}" + ("" if r.started else " (loaded, refused to run)")
         lines.append((label, style, list(r.v_scales)))
