@@ -6,11 +6,12 @@ vLLM's FP8 cache and kvscale's FP8 cache, side by side in one run.
     python benchmarks/serving.py --caches kvscale,kvscale-again   # A/A: the noise
     python benchmarks/serving.py --smoke      # tiny model, one short round (a check, no numbers)
 
-For every round, KV budget (``--kv-cache-memory-bytes``) and request shape, each cache gets
-a fresh ``vllm serve`` on 127.0.0.1 and ``vllm bench serve --backend vllm --dataset-name
-random --ignore-eos`` against it; the order of the caches rotates from round to round, so a
-drift of the machine hits every cache alike. Reported per (budget, shape, cache): the KV
-tokens and the maximum concurrency the server logged, medians over the rounds of req/s,
+For every round and KV budget (``--kv-cache-memory-bytes``), each cache gets a fresh
+``vllm serve`` on 127.0.0.1 and, once per request shape, ``vllm bench serve --backend vllm
+--dataset-name random --ignore-eos`` against it; the order of the caches rotates from
+round to round, so a drift of the machine hits every cache alike. Reported per (budget,
+shape, cache): the KV tokens and the maximum concurrency the server logged, medians over
+the rounds of req/s,
 output tok/s, TTFT and TPOT p50/p99, the preemptions the server counted, and failed
 requests; then the ratios kvscale / stock FP8 and FP8 / bf16 per (budget, shape).
 
@@ -164,43 +165,55 @@ def bench(
 
 
 def measure(
-    case: Case, models: dict[str, Path], cfg: argparse.Namespace, work: Path, rnd: int
-) -> dict:
-    log = work / "logs" / f"r{rnd}-{case.budget_mib}MiB-{case.shape}-{case.cache}.log"
+    budget: int,
+    cache: str,
+    shapes: Sequence[str],
+    models: dict[str, Path],
+    cfg: argparse.Namespace,
+    work: Path,
+    rnd: int,
+) -> list[dict]:
+    """One server (budget, cache), then ``vllm bench serve`` once per request shape."""
+    log = work / "logs" / f"r{rnd}-{budget}MiB-{cache}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc, base, out = start_server(case, models, log, cfg.ready_s)
+    proc, base, out = start_server(Case(budget, ",".join(shapes), cache), models, log, cfg.ready_s)
+    runs = []
     try:
-        before = _preemptions(base)
-        result = bench(base, models["base"], case.shape, cfg, work / "results")
-        preempted = _preemptions(base) - before
+        for shape in shapes:
+            before = _preemptions(base)
+            result = bench(base, models["base"], shape, cfg, work / "results")
+            runs.append((shape, result, _preemptions(base) - before))
     finally:
         stop_server(proc, out)
     pool = POOL_LINE.search(log.read_text())
-    row = {
-        "round": rnd,
-        "budget_mib": case.budget_mib,
-        "shape": case.shape,
-        "cache": case.cache,
-        "kv_tokens": int(pool.group(1).replace(",", "")) if pool else None,
-        "max_concurrency": float(pool.group(2)) if pool else None,
-        "completed": result["completed"],
-        "failed": result.get("failed", 0),
-        "req_s": result["request_throughput"],
-        "out_tok_s": result["output_throughput"],
-        "ttft_p50_ms": result["median_ttft_ms"],
-        "ttft_p99_ms": result["p99_ttft_ms"],
-        "tpot_p50_ms": result["median_tpot_ms"],
-        "tpot_p99_ms": result["p99_tpot_ms"],
-        "preemptions": preempted,
-    }
-    print(
-        f"  r{rnd} {case.budget_mib:>4} MiB {case.shape:<5} {case.cache:<16} "
-        f"kv {row['kv_tokens']} tokens ({row['max_concurrency']}x)  {row['req_s']:.2f} req/s  "
-        f"{row['out_tok_s']:.1f} tok/s  TPOT p50 {row['tpot_p50_ms']:.1f} ms  "
-        f"preempted {preempted:.0f}  failed {row['failed']}",
-        flush=True,
-    )
-    return row
+    rows = []
+    for shape, result, preempted in runs:
+        row = {
+            "round": rnd,
+            "budget_mib": budget,
+            "shape": shape,
+            "cache": cache,
+            "kv_tokens": int(pool.group(1).replace(",", "")) if pool else None,
+            "max_concurrency": float(pool.group(2)) if pool else None,
+            "completed": result["completed"],
+            "failed": result.get("failed", 0),
+            "req_s": result["request_throughput"],
+            "out_tok_s": result["output_throughput"],
+            "ttft_p50_ms": result["median_ttft_ms"],
+            "ttft_p99_ms": result["p99_ttft_ms"],
+            "tpot_p50_ms": result["median_tpot_ms"],
+            "tpot_p99_ms": result["p99_tpot_ms"],
+            "preemptions": preempted,
+        }
+        print(
+            f"  r{rnd} {budget:>4} MiB {shape:<5} {cache:<16} "
+            f"kv {row['kv_tokens']} tokens ({row['max_concurrency']}x)  {row['req_s']:.2f} "
+            f"req/s  {row['out_tok_s']:.1f} tok/s  TPOT p50 {row['tpot_p50_ms']:.1f} ms  "
+            f"preempted {preempted:.0f}  failed {row['failed']}",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
 
 
 FIELDS = ("req_s", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
@@ -377,10 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = caches[(rnd - 1) % len(caches) :] + caches[: (rnd - 1) % len(caches)]
         print(f"## round {rnd}/{cfg.rounds}: {order}", flush=True)
         for budget in budgets:
-            for shape in shapes:
-                for cache in order:
-                    rows.append(measure(Case(budget, shape, cache), models, cfg, work, rnd))
-                    (work / "serving.json").write_text(json.dumps(rows, indent=1))
+            for cache in order:  # one server per (round, budget, cache), every shape on it
+                rows += measure(budget, cache, shapes, models, cfg, work, rnd)
+                (work / "serving.json").write_text(json.dumps(rows, indent=1))
     summary = summarize(rows, caches)
     ratio_rows: list[dict] = []
     for num, den in (("kvscale", "stock-fp8"), ("stock-fp8-again", "stock-fp8"),
