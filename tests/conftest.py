@@ -35,6 +35,20 @@ PROCESS_LOG = os.environ.setdefault(
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
 
+# A test that reaches vLLM's FP8 CPU path must declare it (tests/support/amx_site/
+# kvscale_fp8_guard.py): guarded in this process from here on, and in every process it
+# starts (sitecustomize.py there, on PYTHONPATH under `make`). Each process's hits are
+# written to its own log, read after each test (pytest_runtest_makereport below).
+_AMX_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "amx_site")
+if _AMX_SITE not in sys.path:
+    sys.path.append(_AMX_SITE)
+import kvscale_fp8_guard  # noqa: E402
+
+FP8_GUARD_LOG = os.path.join(_ROOT, "fp8-guard.log")
+os.environ[kvscale_fp8_guard.ENV_LOG] = FP8_GUARD_LOG
+os.environ.pop(kvscale_fp8_guard.ENV_DECLARED, None)
+kvscale_fp8_guard.install()
+
 # The test-only third-party rule package (tests/rule_package), installed by `make test`
 # as a real distribution into build/test-rules -- a folder only the tests see, so its
 # entry points are discovered as a user's package would be without touching .venv.
@@ -140,6 +154,53 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
                 break
+
+
+def _fp8_guard_log_size() -> int:
+    try:
+        return os.path.getsize(FP8_GUARD_LOG)
+    except OSError:
+        return 0
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> object:
+    """The test's declaration (a marker in ``kvscale_fp8_guard.MARKERS``) is in the
+    environment from its set-up to its teardown: the guard reads it, in this process and
+    in every engine process the test (or a fixture it sets up) starts."""
+    declared = [m for m in kvscale_fp8_guard.MARKERS if item.get_closest_marker(m)]
+    if declared:
+        os.environ[kvscale_fp8_guard.ENV_DECLARED] = declared[0]
+    else:
+        os.environ.pop(kvscale_fp8_guard.ENV_DECLARED, None)
+    item.stash[_GUARD_LOG_START] = _fp8_guard_log_size()
+    try:
+        yield
+    finally:
+        os.environ.pop(kvscale_fp8_guard.ENV_DECLARED, None)
+
+
+_GUARD_LOG_START = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """A guard hit fails the test even where the test swallowed the error it raised."""
+    outcome = yield
+    report = outcome.get_result()
+    start = item.stash.get(_GUARD_LOG_START, None)
+    if start is None or _fp8_guard_log_size() <= start:
+        return
+    with open(FP8_GUARD_LOG, encoding="utf-8") as log:
+        log.seek(start)
+        hits = log.read().strip()
+    item.stash[_GUARD_LOG_START] = _fp8_guard_log_size()  # reported once
+    title = "undeclared use of vLLM's FP8 CPU path (kvscale_fp8_guard)"
+    if report.failed:
+        report.sections.append((title, hits))
+    else:
+        report.outcome = "failed"
+        report.longrepr = f"{title}:\n{hits}"
 
 
 def _fp8_header() -> str:

@@ -110,18 +110,13 @@ def _run_engine(
     ids: Sequence[int],
     extra: dict[str, Any],
 ) -> tuple[list[float], dict[str, Any]]:
-    from kvscale_plugin.demo.probe import (
-        layer_index,
-        layer_scales,
-        teacher_forced_logprobs,
-        vllm_engine,
-    )
+    from kvscale_plugin.demo import probe
 
-    with vllm_engine(
+    with probe.vllm_engine(
         model_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **extra
     ) as llm:
-        scales = sorted(layer_scales(llm).values(), key=lambda s: layer_index(s.name))
-        logprobs = teacher_forced_logprobs(llm, ids)
+        scales = sorted(probe.layer_scales(llm).values(), key=lambda s: probe.layer_index(s.name))
+        logprobs = probe.teacher_forced_logprobs(llm, ids)
     info = {
         "k": [s.k for s in scales],
         "v": [s.v for s in scales],
@@ -147,6 +142,7 @@ def run_comparison(
 ) -> list[EngineResult]:
     """Reference run on ``reference_dir`` (bf16 cache), then every variant x engine."""
     from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, layer_index, logprob_error
+    from kvscale_plugin.hosts.vllm.platform_cache import cpu_cannot_run_fp8_cache
 
     extra = extra or {}
     ids = _token_ids(reference_dir)
@@ -156,10 +152,13 @@ def run_comparison(
         reference, _ = _run_engine(reference_dir, None, "bfloat16", ids, extra)
     except Exception:  # stock may refuse the checkpoint: kvscale with a bf16 cache is the same
         reference, _ = _run_engine(reference_dir, "kvscale", "bfloat16", ids, extra)
-    results = []
-    step = 1
+    results, step = [], 1
+    # Where vLLM's CPU build cannot run FP8, kvscale's `auto` serves bf16 (layers at 1.0):
+    # ask for FP8, to show the scales kvscale loaded before vLLM refused the cache.
+    fp8_refused = cpu_cannot_run_fp8_cache()
     for variant, path in variants.items():
         for engine, (quant, dtype) in ENGINES.items():
+            dtype = "fp8" if fp8_refused and dtype == "auto" else dtype
             step += 1
             log(f"[{step}/{total}] {engine} on '{variant}': starting engine ...")
             t0 = time.perf_counter()

@@ -7,13 +7,21 @@ naming the version and the supported range). Registration itself never raises.
 from __future__ import annotations
 
 import pytest
-from test_vllm_release import PLAIN, assert_started_or_refused_fp8, probes, vllm_version
+from kvscale_testing.skips import follows_cpu_fp8
+from test_vllm_release import (
+    KVSCALE_KV_DTYPE,
+    PLAIN,
+    assert_started_or_refused_fp8,
+    probes,
+    vllm_version,
+)
 
 from kvscale_plugin.hosts.vllm import internals
 
 pytestmark = pytest.mark.engine
 
 
+@follows_cpu_fp8
 @pytest.mark.slow
 def test_missing_target_costs_only_its_feature(tiny, tmp_path):
     plain = tiny("compat-plain", **PLAIN)
@@ -23,7 +31,7 @@ def test_missing_target_costs_only_its_feature(tiny, tmp_path):
         tmp_path,
         [
             {"model": str(plain), "simulate": "missing-target"},
-            {"model": str(ckpt), "quantization": "kvscale"},
+            {"model": str(ckpt), "quantization": "kvscale", "kv_cache_dtype": KVSCALE_KV_DTYPE},
         ],
     )
     assert stock["started"] and stock["error"] is None, stock
@@ -38,6 +46,7 @@ def test_missing_target_costs_only_its_feature(tiny, tmp_path):
     assert f"vLLM {vllm_version()}" in lost[0]
 
 
+@follows_cpu_fp8
 @pytest.mark.slow
 def test_core_module_that_fails_to_import_leaves_stock_starts_alone(tiny, tmp_path):
     plain = tiny("compat-plain", **PLAIN)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from kvscale_testing.checkpoints import read_stored_scales
 from kvscale_testing.engines import cpu_runs_fp8_cache, reload_weights
+from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8, needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     FP8_CPU_REFUSAL,
@@ -51,9 +52,10 @@ def vllm_version() -> str:
 #: elsewhere, after the model (and its KV scales) loaded.
 CPU_FP8 = cpu_runs_fp8_cache()
 FP8_REFUSED = FP8_CPU_REFUSAL
-needs_cpu_fp8 = pytest.mark.skipif(
-    not CPU_FP8, reason="this CPU has neither AVX-512 nor AMX: vLLM's CPU FP8 cache cannot run"
-)
+#: Where it does not, ``-q kvscale`` with ``auto`` serves a bf16 cache (kvscale's degrade);
+#: these starts ask for ``fp8`` there, so that each one's loaded scales are still read back
+#: (vLLM refuses the cache after loading).
+KVSCALE_KV_DTYPE = "auto" if CPU_FP8 else "fp8"
 
 
 def assert_started_or_refused_fp8(result: dict[str, Any]) -> None:
@@ -125,8 +127,9 @@ def started(tiny, tmp_path_factory) -> dict[str, dict[str, Any]]:
         for name, (fields, kv) in STOCK_CASES.items()
     ]
     ours = [
-        {"model": str(tiny(name, **fields)), "quantization": "kvscale"}
+        {"model": str(tiny(name, **fields)), "quantization": "kvscale", "kv_cache_dtype": kv}
         for name, fields in KVSCALE_CASES.items()
+        for kv in [KVSCALE_KV_DTYPE]
     ]
     with_plugin = probes(tmp, stock + ours)
     bare = probes(tmp, stock, env={"VLLM_PLUGINS": ""})
@@ -140,6 +143,7 @@ def started(tiny, tmp_path_factory) -> dict[str, dict[str, Any]]:
     return out
 
 
+@follows_cpu_fp8
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(STOCK_CASES))
 def test_stock_start_is_unchanged_with_kvscale_installed(started, case):
@@ -190,6 +194,7 @@ def test_cli_help_parses_with_kvscale_installed(tmp_path):
 # ---------------------------------------------------------------- (b) -q kvscale serves scales
 
 
+@follows_cpu_fp8
 def test_every_listed_feature_holds_on_this_release(started):
     result = started["kvscale:default"]
     assert_started_or_refused_fp8(result)
@@ -209,6 +214,7 @@ def test_every_listed_feature_holds_on_this_release(started):
     assert vllm_version() in internals.RUN_TESTED
 
 
+@follows_cpu_fp8
 def test_per_tensor_scales_loaded(tiny, started):
     stored = read_stored_scales(tiny("compat-calibrated", **KVSCALE_CASES["compat-calibrated"]))
     assert len({round(v["k"], 4) for v in stored.values()}) == len(stored)
@@ -224,6 +230,7 @@ def test_per_tensor_scales_loaded(tiny, started):
         assert (s["k_float"], s["v_float"]) == pytest.approx((want["k"], want["v"]), rel=1e-6)
 
 
+@follows_cpu_fp8
 def test_per_head_scales_loaded(tiny, started):
     stored = read_stored_scales(tiny("compat-per-head", **KVSCALE_CASES["compat-per-head"]))
     result = started["kvscale:compat-per-head"]
@@ -238,6 +245,7 @@ def test_per_head_scales_loaded(tiny, started):
         assert s["k_float"] == pytest.approx(max(want["k"]), rel=1e-6), name
 
 
+@follows_cpu_fp8
 def test_reload_check_is_on_this_releases_reload_path(tiny):
     """kvscale wraps no reload function: its check is in the KV method, which this
     release's reload calls (the call site is read from vLLM's source), and at the worker's
@@ -250,7 +258,7 @@ def test_reload_check_is_on_this_releases_reload_path(tiny):
         i for i in internals.INTERNALS if i.target.endswith("layerwise._reload_attention_scales")
     )
     assert internals.problem(path) is None
-    with vllm_engine(tiny("default"), quantization="kvscale"):
+    with vllm_engine(tiny("default"), quantization="kvscale", kv_cache_dtype=KV_DTYPE):
         assert getattr(Worker.reload_weights, "__kvscale_reload_check__", False)
     import vllm.model_executor.model_loader.reload as reload
 
@@ -259,7 +267,7 @@ def test_reload_check_is_on_this_releases_reload_path(tiny):
         assert wrapped == [], (module.__name__, wrapped)
 
 
-@needs_cpu_fp8
+@needs_fp8_cpu_cache
 def test_reload_serves_new_scales_and_refuses_corrupt_ones(tiny):
     first = tiny("compat-reload-a", scales={0: (2.5, 3.5), 1: (4.5, 5.5)})
     second = tiny("compat-reload-b", scales={0: (5.5, 6.5), 1: (7.25, 8.75)})

@@ -9,12 +9,14 @@ import sys
 
 import pytest
 from kvscale_testing.engines import cpu_runs_fp8_cache
+from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL
 
 pytestmark = pytest.mark.engine
 
 
+@follows_cpu_fp8
 def test_demo_table_shows_stock_vs_kvscale(tmp_path):
     """The demo's wiring (CLI, progress, table, PNG, JSON) on one variant: the behaviour of
     every variant is proven engine by engine in test_vllm_engine.py."""
@@ -84,6 +86,7 @@ def test_demo_rejects_an_unknown_variant(tmp_path):
     assert proc.returncode == 2 and "unknown variant(s) nope" in proc.stderr
 
 
+@follows_cpu_fp8
 def test_demo_on_a_users_checkpoint(tiny, tmp_path):
     ckpt = tiny("kv_scale", naming="kv_scale")
     out_json = tmp_path / "mine.json"
@@ -186,11 +189,8 @@ def test_table_summarizes_many_layers_and_keeps_few():
     assert len(widths) == 1  # header, rule and rows line up
 
 
-@pytest.mark.skipif(
-    not cpu_runs_fp8_cache(),
-    reason="this CPU has neither AVX-512 nor AMX: vLLM refuses the FP8 cache whose "
-    "perplexity this pipeline compares",
-)
+# The FP8 cache whose perplexity this pipeline compares.
+@needs_fp8_cpu_cache
 def test_demo_real_pipeline(monkeypatch, tiny, tmp_path, capsys):
     # The --real orchestration (fetch, calibrate, output_scale variant, six engines, table,
     # plot, JSON) on a plain tiny model standing in for SmolLM2 to keep it fast; SmolLM2

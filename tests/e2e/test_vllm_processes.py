@@ -14,7 +14,7 @@ import pytest
 from _run_script import run_script
 from _server import openai_server
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
-from kvscale_testing.skips import KV_DTYPE, needs_avx512_cpu_for_tp
+from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8, needs_avx512_cpu_for_tp
 
 from kvscale_plugin.demo.probe import layer_index, vllm_engine
 from kvscale_plugin.hosts.vllm import internals
@@ -39,6 +39,7 @@ def _greedy_tokens_in_process(model_dir: Path, ids: list[int]) -> list[int]:
         return list(out[0].outputs[0].token_ids)
 
 
+@follows_cpu_fp8
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=needs_avx512_cpu_for_tp)])
 def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
     ckpt = tiny("default", num_layers=2)
@@ -68,6 +69,7 @@ def test_multiprocessing_mode_loads_scales(tiny, tmp_path, tp):
         assert "vllm.v1.worker.gpu_worker.Worker.reload_weights" in places, places
 
 
+@follows_cpu_fp8
 def test_openai_server_answers_like_in_process_engine(tiny, tmp_path):
     # `k_proj.output_scale` naming: stock vLLM 0.32 refuses to start on it (an
     # AttributeError, test_vllm_engine.py), so a server that answers at all has run the

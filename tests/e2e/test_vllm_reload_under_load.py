@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 from _server import Server, openai_server
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
-from kvscale_testing.skips import KV_DTYPE
+from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8
 
 from kvscale_plugin.demo.probe import layer_index
 
@@ -155,6 +155,7 @@ def _stored(model_dir: Path) -> dict[int, tuple[float, float]]:
     return {i: (s["k"], s["v"]) for i, s in read_stored_scales(model_dir).items()}
 
 
+@follows_cpu_fp8
 def test_reloads_under_load_take_new_scales_and_refuse_nan(tiny, tmp_path):
     start = tiny("under-load-start", num_layers=2)
     calibrated = _stored(start)

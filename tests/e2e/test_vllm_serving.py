@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from _server import openai_server
 from kvscale_testing.checkpoints import reference_token_ids
-from kvscale_testing.skips import KV_DTYPE
+from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8
 
 from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
 
@@ -59,6 +59,7 @@ def _served_per_engine(metrics: str) -> dict[str, float]:
     return counts
 
 
+@follows_cpu_fp8
 def test_data_parallel_server_answers_a_burst_correctly(tiny, tmp_path):
     ckpt = tiny("calibrated", num_layers=3)
     ids = list(reference_token_ids(ckpt))

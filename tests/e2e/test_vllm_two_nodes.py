@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from _server import PORT_ATTEMPTS, free_port, lost_port_race
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
-from kvscale_testing.skips import KV_DTYPE, needs_avx512_cpu_for_tp
+from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8, needs_avx512_cpu_for_tp
 
 from kvscale_plugin.demo.probe import layer_index
 from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
@@ -166,7 +166,10 @@ TP_KV_DTYPE = KV_DTYPE
 
 @pytest.mark.parametrize(
     ("parallel", "kv_dtype"),
-    [pytest.param("tp", TP_KV_DTYPE, marks=needs_avx512_cpu_for_tp), ("pp", "bfloat16")],
+    [
+        pytest.param("tp", TP_KV_DTYPE, marks=[needs_avx512_cpu_for_tp, follows_cpu_fp8]),
+        ("pp", "bfloat16"),
+    ],
 )
 def test_every_rank_of_both_nodes_serves_with_kvscale(tiny, tmp_path, parallel, kv_dtype):
     """TP=2 (one rank per node, each with its KV head) and PP=2 (one stage per node): the

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 from _run_script import run_script
-from kvscale_testing.skips import KV_DTYPE
+from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8
 
 pytestmark = pytest.mark.engine
 
 
+@follows_cpu_fp8
 def test_a_stock_engine_runs_vllms_own_code_and_hears_nothing_of_kvscale(tiny, tmp_path):
     plain = tiny("untouched-plain", quantization_config=False, write_scales=False)
     compressed = tiny("untouched-ct", num_layers=2)

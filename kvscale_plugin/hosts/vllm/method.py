@@ -44,6 +44,7 @@ from kvscale_plugin.hosts._common import (
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, has_served, layer_records
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
+from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.served import HeadLayout, write_scales
 from kvscale_plugin.names import (
     declared_mtp_layers,
@@ -118,7 +119,10 @@ class KVScaleConfig(CompressedTensorsConfig):
         # config, so every process of one engine shares it and a second engine differs.
         self.warn_scope = f"engine-{uuid.uuid4().hex}:"
         self.kv_verdict: SchemeVerdict = announce_verdict(self.kv_cache_scheme, self.warn_scope)
-        if not self.kv_verdict.supported:
+        # Where this platform cannot run an FP8 cache, `auto` keeps the model dtype's
+        # cache (platform_cache); an explicit FP8 dtype still reaches vLLM's refusal.
+        self.fp8_cache_unavailable = self.kv_verdict.supported and cpu_cannot_run_fp8_cache()
+        if not self.kv_verdict.supported or self.fp8_cache_unavailable:
             # Exposed only when supported: Attention flips `auto` to FP8 on it.
             self.kv_cache_scheme = None
         self.model_type: str | None = None
@@ -229,6 +233,12 @@ class KVScaleConfig(CompressedTensorsConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, Attention):
+            if (
+                self.fp8_cache_unavailable
+                and getattr(layer, "kv_cache_dtype", None) == "auto"
+                and not _explicit_fp8_cache()
+            ):
+                warn_once(self.warn_scope + "fp8-cache-unavailable", DEGRADED)
             if not self.kv_verdict.declared and not is_quantized_kv_cache(
                 getattr(layer, "kv_cache_dtype", "auto")
             ):

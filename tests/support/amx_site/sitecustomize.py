@@ -101,3 +101,15 @@ if os.environ.get("KVSCALE_TEST_CPU_WITHOUT_FP8") == "1":
             return spec
 
     sys.meta_path.insert(0, _TorchWithoutFp8Cpu())
+
+
+# Fourth duty: ``KVSCALE_TEST_FP8_GUARD=1`` (set by tests/conftest.py for the test session,
+# inherited by every process it starts): a test that reaches vLLM's FP8 CPU path without
+# declaring it fails, on every machine (kvscale_fp8_guard, beside this file).
+if os.environ.get("KVSCALE_TEST_FP8_GUARD") == "1":
+    try:
+        import kvscale_fp8_guard  # noqa: E402
+
+        kvscale_fp8_guard.install()
+    except ImportError:  # this folder is not on the path as a folder: nothing to guard
+        pass

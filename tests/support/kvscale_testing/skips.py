@@ -31,3 +31,9 @@ AVX512_TP_SKIP_REASON = (
 )
 #: The marker for those: ``@needs_avx512_cpu_for_tp``.
 needs_avx512_cpu_for_tp = pytest.mark.needs_avx512_cpu_for_tp
+
+#: The marker of a test whose cache follows the CPU (``KV_DTYPE``): it reaches vLLM's FP8
+#: CPU path where the CPU runs one, so it declares so (tests/support/amx_site/
+#: kvscale_fp8_guard.py fails an undeclared one on every machine), and `make
+#: test-without-fp8-cpu` selects it to run its other branch.
+follows_cpu_fp8 = pytest.mark.follows_cpu_fp8
