@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,11 @@ def calibrate(
         log(f"{len(texts)} samples from {samples_source}, up to {max_len} tokens each")
     obs = observe(model, tokenizer, texts, max_len=max_len, progress=progress)
     scales = scales_from_observed(obs, scheme)
+    shared = _reads_other_cache(src, scales)
+    for name in shared:
+        del scales[name]  # they serve their target's scales: never a second, other one
+    if log and shared:
+        log(f"no scales for {len(shared)} layer(s) that read another layer's KV cache")
     record = {
         "samples": samples_source,
         "num_samples": obs.num_samples,
@@ -63,3 +70,19 @@ def calibrate(
     del model
     out = write_checkpoint(src, dst, scales, scheme, force=force, record=record)
     return CalibrationResult(out, obs, scales)
+
+
+def _reads_other_cache(model_dir: Path, scales: Mapping[str, object]) -> list[str]:
+    """The attention modules (of ``scales``) that read another layer's KV cache, as the
+    model's config.json wires it (``sharing.kv_sharing_targets``)."""
+    from kvscale_plugin.inspection.config import text_config
+    from kvscale_plugin.sharing import kv_sharing_targets
+
+    config = json.loads((model_dir / "config.json").read_text())
+    shares = kv_sharing_targets(text_config(config))
+    found = []
+    for name in scales:
+        match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if match and int(match.group(1)) in shares:
+            found.append(name)
+    return found

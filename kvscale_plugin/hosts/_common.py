@@ -165,6 +165,8 @@ def describe_loaded_layers(layers: Iterable[tuple[str, Any]], pool_dtypes: Itera
         parts.append(f"{len(by_source['duplicated'])} of them from one kv_scale for k and v")
     if by_source.get("default"):
         parts.append(f"{len(by_source['default'])} without scales (1.0: see the warning)")
+    if by_source.get("shared"):
+        parts.append(f"{len(by_source['shared'])} reading another layer's cache, with its scales")
     if by_source.get("unscaled"):
         parts.append(
             f"{len(by_source['unscaled'])} with a KV cache that does not use scales "
@@ -185,20 +187,23 @@ class LoadCycle:
 
     def __init__(self) -> None:
         self.pending: set[str] = set()
-        self.processed: dict[str, tuple[Any, str]] = {}
+        self.processed: dict[str, tuple[str, Any, str]] = {}
 
     def built(self, name: str) -> None:
         self.pending.add(name)
 
-    def done(self, name: str, resolved: Any, pool: str, *, draft: bool = False) -> None:
-        """``resolved``: the layer's ``ResolvedScales``; ``pool``: its KV-cache dtype."""
+    def done(
+        self, name: str, resolved: Any, pool: str, draft: bool = False, source: str | None = None
+    ) -> None:
+        """``resolved``: the layer's ``ResolvedScales``; ``pool``: its KV-cache dtype;
+        ``source``: how the line counts it (default: ``resolved.source``)."""
         self.pending.discard(name)
-        self.processed[name] = (resolved, pool)
+        self.processed[name] = (source or resolved.source.value, resolved, pool)
         if self.pending:
             return
         line = describe_loaded_layers(
-            ((r.source.value, r) for r, _ in self.processed.values()),
-            (pool for _, pool in self.processed.values()),
+            ((s, r) for s, r, _ in self.processed.values()),
+            (pool for _, _, pool in self.processed.values()),
         )
         logger.info("%s%s", "(MTP draft) " if draft else "", line)
         self.processed.clear()

@@ -39,6 +39,7 @@ ProblemCode = Literal[
     "unknown_head_count",
     "unknown_layer_count",
     "unsupported_weight_scheme",
+    "reads_shared_kv",
 ]
 
 #: code -> (severity, what it means). Tensor-level codes (in ``tensors[].problems``):
@@ -65,6 +66,12 @@ CATALOGUE: dict[str, tuple[Severity, str]] = {
     "missing_scales": (
         ERROR,
         "a supported scheme, but an attention layer has no k/v scale tensors",
+    ),
+    "reads_shared_kv": (
+        WARNING,
+        "a layer reads another layer's KV cache (num_kv_shared_layers: Gemma-3n, Gemma-4): "
+        "it must serve that layer's k/v scales; stock vLLM serves 1.0 (or the scales "
+        "shipped under its own name)",
     ),
     "only_one_of_kv": (
         ERROR,
@@ -203,6 +210,14 @@ def collect_problems(
         "layer(s) have no k/v scale tensors: they use 1.0 (kvscale warns once; stock "
         "engines say nothing), which clips K/V beyond +-448. Calibrate the KV cache with "
         "llm-compressor, or serve with --kv-cache-dtype bfloat16.",
+    )
+    per_layer(
+        "reads_shared_kv",
+        "{n} attention layer(s) read another layer's KV cache (num_kv_shared_layers): that "
+        "cache was written with the other layer's k/v scales. Stock vLLM 0.32 reads it with "
+        "1.0 (or whatever the checkpoint ships under the reading layer's name), which is "
+        "quietly wrong with an FP8 cache; kvscale serves the target's scales. Calibration "
+        "writes no scales for these layers: they are not missing.",
     )
     per_layer(
         "only_one_of_kv",

@@ -28,7 +28,7 @@ Outcome = Literal[
     "none", "starts", "refuses", "fails", "loads", "default", "broken", "unscaled", "unverified"
 ]
 #: Where kvscale's scales for a layer come from (``scales.ScaleSource``, plus error / none).
-Source = Literal["checkpoint", "duplicated", "default", "unscaled", "error", "none"]
+Source = Literal["checkpoint", "duplicated", "default", "unscaled", "shared", "error", "none"]
 
 
 class TensorProblem(NamedTuple):

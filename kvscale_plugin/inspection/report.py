@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from kvscale_plugin.inspection.tensors import (
 from kvscale_plugin.inspection.weights import WeightVerdict, combine, judge_weights
 from kvscale_plugin.names import map_scale_name
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
+from kvscale_plugin.sharing import kv_sharing_targets
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ def _inspect(ckpt: Checkpoint, host: str, *, q_read: bool = True) -> InspectRepo
     layers = list(rows.values())
     _judge_rows(layers, verdict, heads)
     judge_stock(layers, verdict, scheme, host, model.model_type, heads)
+    _judge_sharing(layers, kv_sharing_targets(tc), verdict)
     problems = collect_problems(tensors, layers, verdict, n, model.attn_layers, heads)
 
     stock_engine, stock_outcome, stock_text, stock_basis = stock_summary(
@@ -358,6 +360,32 @@ def _judge_rows(layers: list[LayerRow], verdict: SchemeVerdict, heads: Heads | N
                 resolved.k_heads if show_heads else None,
                 resolved.v_heads if show_heads else None,
             )
+
+
+def _judge_sharing(
+    layers: list[LayerRow], shares: Mapping[int, int], verdict: SchemeVerdict
+) -> None:
+    """Layers that read another layer's cache (``sharing.kv_sharing_targets``): never
+    "missing"; kvscale serves the target's scales; stock reads with its own (1.0)."""
+    rows = {r.index: r for r in layers if not r.mtp and r.known and r.index is not None}
+    for index, target_index in shares.items():
+        row, target = rows.get(index), rows.get(target_index)
+        if row is None or target is None or not verdict.supported:
+            continue
+        row.problems = [p for p in row.problems if p != "missing_scales"] + ["reads_shared_kv"]
+        own = "; its own scales are not used (one warning)" if row.k or row.v else ""
+        theirs = target.kvscale
+        row.kvscale = LayerView(
+            theirs.k,
+            theirs.v,
+            "shared",
+            f"reads {target.layer}'s cache: its scales{own}",
+            theirs.k_heads,
+            theirs.v_heads,
+        )
+        if (row.stock.k, row.stock.v) != (target.stock.k, target.stock.v):
+            note = f"reads {target.layer}'s cache: wrong scale"
+            row.stock = replace(row.stock, note="; ".join(filter(None, [row.stock.note, note])))
 
 
 def _loaded(t: ScaleTensor | None, heads: Heads | None) -> float | tuple[float, ...] | None:

@@ -64,7 +64,8 @@ _OUTCOMES = (
 _SOURCES = (
     "checkpoint: k and v from the checkpoint; duplicated: one scale (legacy kv_scale) for k "
     "and v; default: none loaded, 1.0 (one warning); unscaled: scheme unsupported, checkpoint "
-    "ignored; error: start-up stops (CorruptScaleError); none: no scale parameter"
+    "ignored; shared: the layer reads another layer's KV cache and serves that layer's "
+    "scales; error: start-up stops (CorruptScaleError); none: no scale parameter"
 )
 _CODES = "; ".join(f"{code} ({sev}): {what}" for code, (sev, what) in CATALOGUE.items())
 

@@ -359,7 +359,7 @@ def test_corrupt_q_scale_is_refused_where_attention_reads_it(tiny, monkeypatch):
 
     q = {"model.layers.1.self_attn.q_scale": torch.tensor([2e24])}
     ckpt = tiny("uncalibrated-q-read", num_layers=2, extra_tensors=q)
-    monkeypatch.setattr(method, "_reads_q_scale", lambda layer: True)
+    monkeypatch.setattr(method, "reads_q_scale", lambda layer: True)
     text = _engine_error(ckpt)
     assert "CorruptScaleError" in text, text
     assert "model.layers.1.self_attn.q_scale: 2e+24 (implausible" in text, text

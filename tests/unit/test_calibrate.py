@@ -371,3 +371,22 @@ def test_package_exports_every_public_name():
         assert getattr(package, name) is getattr(modules[package._EXPORTS[name]], name)
     with pytest.raises(AttributeError):
         package.no_such_name  # noqa: B018
+
+
+@pytest.mark.slow  # a transformers model run (~12 s): `make test`, not `make test-fast`
+def test_layers_that_read_another_layers_cache_get_no_scales(tmp_path):
+    """A tiny Gemma-4 whose layers 2 and 3 read layers 0 and 1's KV cache: transformers
+    hands those layers the shared keys and values, but only the writing layers get scales
+    (a sharing layer serves its target's), and inspect calls the result clean."""
+    from kvscale_testing.shared_kv import build_shared_kv_checkpoint
+
+    src = build_shared_kv_checkpoint(tmp_path / "gemma4")
+    result = cal.calibrate(src, tmp_path / "out", num_samples=2, progress=False)
+    assert sorted(result.scales) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    written = sorted(n for n in _tensors(tmp_path / "out") if n.endswith("_scale"))
+    assert written == [f"model.layers.{i}.self_attn.{k}_scale" for i in (0, 1) for k in "kv"]
+    report = inspect_checkpoint(tmp_path / "out")
+    assert report.exit_status == 0
+    shared = {r.layer: r for r in report.layers if "reads_shared_kv" in r.problems}
+    assert set(shared) == {"model.layers.2.self_attn", "model.layers.3.self_attn"}
+    assert shared["model.layers.2.self_attn"].kvscale.outcome == "shared"

@@ -45,7 +45,14 @@ from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, has_served, layer_records
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
+from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
 from kvscale_plugin.hosts.vllm.served import HeadLayout, write_scales
+from kvscale_plugin.hosts.vllm.shared import (
+    push_to_sharing_layers,
+    serve_target_scales,
+    sharing_target,
+    warn_about_sharing_layers,
+)
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
@@ -56,6 +63,7 @@ from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
     CorruptScales,
+    ResolvedScales,
     ScaleSource,
     per_head_shape_ok,
     resolve_kv_scales,
@@ -63,8 +71,10 @@ from kvscale_plugin.scales import (
     unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
+from kvscale_plugin.sharing import SHARED_SOURCE
 
 _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+_KV = ("k_scale", "v_scale")
 _ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
 
 
@@ -312,6 +322,15 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         if is_weights_pre_processed():
             BaseKVCacheMethod.process_weights_after_loading(self, layer)
             return
+        layer_name = getattr(layer, "layer_name", type(layer).__name__)
+        if sharing_target(layer) is not None:
+            # Reads another layer's cache: serves that layer's scales (sharing.py), also
+            # in a reload that re-created nothing here (the target's may have changed).
+            built = hasattr(layer, "k_scale")
+            own = tuple(_loaded_value(getattr(layer, n)) if built else None for n in _KV)
+            resolved = serve_target_scales(self.quant_config, layer, layer_name, own)
+            self._finish(layer, layer_name, resolved, SHARED_SOURCE, counted=built)
+            return
         if not hasattr(layer, "k_scale"):
             return  # placeholders already consumed (e.g. a reload that carried no scales)
 
@@ -331,14 +350,16 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         corrupt = CorruptScales()
         corrupt_q = CorruptScales()
         for other in cfg.attention_layers():
+            if sharing_target(other) is not None:
+                continue  # its own scales are unused: warned about, never refused
             records, q_records = layer_records(other)
             corrupt.update(records)
             corrupt_q.update(q_records)
         if corrupt_q:
-            if applies and _reads_q_scale(layer):
+            if applies and reads_q_scale(layer):
                 corrupt.update(corrupt_q)  # refused with k/v below
             else:
-                _warn_unread_q_scales(cfg, corrupt_q)
+                warn_unread_q_scales(cfg, corrupt_q)
         if applies and corrupt:
             if reload:
                 # An in-place reload: raising here would leave vLLM's reload half done
@@ -378,18 +399,29 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             prob = 1.0
 
         write_scales(layer, resolved, q_heads, prob)
-        layer.kvscale_source = resolved.source.value
+        push_to_sharing_layers(cfg, layer_name, resolved)
+        self._finish(layer, layer_name, resolved, resolved.source.value)
+
+    def _finish(
+        self,
+        layer: torch.nn.Module,
+        layer_name: str,
+        resolved: ResolvedScales,
+        source: str,
+        counted: bool = True,
+    ) -> None:
+        cfg = self.quant_config
+        layer.kvscale_source = source
         layer.kvscale_refused = False
         if "cpu-write" in internals.installed:
             from kvscale_plugin.hosts.vllm.cpu_write import serve_layer
 
             serve_layer(layer)
-        cfg._load_cycle.done(
-            getattr(layer, "layer_name", type(layer).__name__),
-            resolved,
-            str(layer.kv_cache_dtype),
-            draft=getattr(layer, "kvscale_draft", False),
-        )
+        if counted:  # built in this load cycle (its INFO line counts it)
+            draft = getattr(layer, "kvscale_draft", False)
+            cfg._load_cycle.done(layer_name, resolved, str(layer.kv_cache_dtype), draft, source)
+        if not cfg._load_cycle.pending:
+            warn_about_sharing_layers(cfg)
         self._drop_placeholders(layer)
 
     @staticmethod
@@ -400,7 +432,8 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         if _keeps_placeholders():
             return
         for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
-            delattr(layer, name)
+            if hasattr(layer, name):
+                delattr(layer, name)
 
 
 # Loaders are plain functions (not functools.partial): vLLM's in-place reload
@@ -472,37 +505,11 @@ def _warn_missing_scales(cfg: KVScaleConfig, *, draft: bool = False) -> None:
             name
             for name, layer in cfg._attention_layers.items()
             if hasattr(layer, "k_scale")
+            and sharing_target(layer) is None
             and not getattr(layer.k_scale, "kvscale_loaded", False)
             and not getattr(layer.v_scale, "kvscale_loaded", False)
         ),
         f"{cfg.warn_scope}{DRAFT_SCOPE}" if draft else cfg.warn_scope,
-    )
-
-
-def _reads_q_scale(layer: torch.nn.Module) -> bool:
-    """Whether this layer's attention may read its q scale: it quantizes queries
-    (``query_quant``, FP8 attention), or it runs on a GPU platform, where some backends
-    (FlashInfer, FlashMLA, ROCm AITER) read ``_q_scale`` by themselves. vLLM's CPU
-    attention never reads it."""
-    return getattr(layer, "query_quant", None) is not None or not current_platform.is_cpu()
-
-
-def _warn_unread_q_scales(cfg: KVScaleConfig, corrupt_q: CorruptScales) -> None:
-    """Once per engine: corrupt q scales that no attention in use reads are ignored."""
-    problems = cfg.on_disk(corrupt_q).records()
-    shown = "; ".join(f"{p.label}: {p.why}" for p in sorted(problems, key=lambda p: p.label)[:4])
-    more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
-    warn_once(
-        f"{cfg.warn_scope}q-scales-unread",
-        "kvscale: %d query-scale value(s) in the checkpoint cannot be used (%s%s). No "
-        "attention here reads a q scale (vLLM's CPU attention, or no FP8 query "
-        "quantization), so they are ignored and the engine serves; the KV cache does not "
-        "use them. A backend that quantizes queries (FP8 attention on a GPU) would refuse "
-        "them: re-calibrate the checkpoint's attention (llm-compressor) or drop these "
-        "tensors before serving there.",
-        len(problems),
-        shown,
-        more,
     )
 
 

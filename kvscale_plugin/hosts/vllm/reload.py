@@ -39,6 +39,7 @@ from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import shorten
 from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer, kvscale_config, layer_records
+from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
 if TYPE_CHECKING:
@@ -99,6 +100,9 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
     draft: raise ``CorruptScaleError`` when any of its layers refused a scale; else report
     the layers it gave no scale tensor. Consumes the cycle's records either way."""
     reloaded = [layer for layer in layers if bool(getattr(layer, "kvscale_draft", False)) == draft]
+    # vLLM's layerwise reload restores a layer that loaded nothing (one that reads
+    # another layer's cache) without its KV method: it follows its target here.
+    resync_sharing_layers(reloaded)
     try:
         corrupt = CorruptScales()
         for layer in reloaded:
@@ -112,6 +116,7 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
             layer
             for layer in reloaded
             if not getattr(layer, "kvscale_reloaded", False)
+            and sharing_target(layer) is None
             and kvscale_config(layer).kv_verdict.supported  # type: ignore[union-attr]
             and is_quantized_kv_cache(layer.kv_cache_dtype)
         ]

@@ -59,13 +59,18 @@ def write_scales(
     Per-head layers hold one value per local KV head in ``_k_scale`` / ``_v_scale`` /
     ``_q_scale`` (as stock vLLM lays them out); the Python floats and CPU copies hold
     the per-layer max, which is what one-scale paths (CPU attention) read."""
-    for name, values in (
-        ("_k_scale", resolved.k_heads),
-        ("_v_scale", resolved.v_heads),
-        ("_q_scale", q_heads),
-    ):
-        _fill_device(layer, name, values)
+    _fill_device(layer, "_q_scale", q_heads)
     layer._prob_scale.fill_(prob)
+    layer._q_scale_float = max(q_heads)
+    layer._prob_scale_float = prob
+    write_kv_scales(layer, resolved)
+
+
+def write_kv_scales(layer: torch.nn.Module, resolved: ResolvedScales) -> None:
+    """The k/v part of ``write_scales`` (also what a layer that reads another layer's
+    cache is given: the target's), in place, device tensors first."""
+    _fill_device(layer, "_k_scale", resolved.k_heads)
+    _fill_device(layer, "_v_scale", resolved.v_heads)
     if getattr(layer, "kvscale_heads", None) is not None:
         # Device copies of the per-layer max, for one-scale GPU paths (kvscale's CUSTOM
         # backend writes and reads a per-head layer's cache with them).
@@ -73,8 +78,7 @@ def write_scales(
         _fill_device(layer, "_kvscale_v_max", (resolved.v,), scalar=True)
     layer._k_scale_float = resolved.k
     layer._v_scale_float = resolved.v
-    layer._q_scale_float = max(q_heads)
-    layer._prob_scale_float = prob
+    layer.kvscale_resolved = resolved
     for name, value in (("_k_scale_cpu", resolved.k), ("_v_scale_cpu", resolved.v)):
         host = getattr(layer, name, None)
         if isinstance(host, torch.Tensor):

@@ -1,0 +1,154 @@
+"""Layers that read another layer's KV cache (Gemma-4, Gemma-3n: ``num_kv_shared_layers``)
+serve the scales that cache was written with -- their target's -- on a real vLLM engine.
+
+Stock vLLM 0.32 leaves every sharing layer at 1.0 (nothing in its Gemma code copies a
+scale; measured here: the stock cell). With an FP8 cache the bytes a sharing layer reads
+were quantized with the target's scale, so 1.0 dequantizes them wrongly."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+from kvscale_testing.checkpoints import reference_token_ids
+from kvscale_testing.engines import reload_weights
+from kvscale_testing.shared_kv import SHARING, build_shared_kv_checkpoint, stored_scales
+from kvscale_testing.skips import needs_fp8_cpu_cache
+
+from kvscale_plugin.demo.probe import (
+    layer_scales,
+    logprob_error,
+    teacher_forced_logprobs,
+    vllm_engine,
+)
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared-kv")
+
+    def make(name: str, **kw):
+        path = root / name
+        return path if (path / "config.json").exists() else build_shared_kv_checkpoint(path, **kw)
+
+    return make
+
+
+def _held(llm) -> dict[str, tuple[float, ...]]:
+    return {
+        n: (s.k, s.v, s.k_float, s.v_float, s.k_cpu, s.v_cpu) for n, s in layer_scales(llm).items()
+    }
+
+
+@needs_fp8_cpu_cache
+@pytest.mark.parametrize("family", ["gemma4", "gemma3n"])
+def test_sharing_layers_serve_their_targets_scales_stock_serves_one(ckpts, family, caplog):
+    caplog.set_level(logging.INFO, logger="kvscale_plugin")
+    ckpt = ckpts(family, family=family)
+    with vllm_engine(ckpt) as llm:
+        stock = _held(llm)
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        ours = _held(llm)
+        sources = {n: s.source for n, s in layer_scales(llm).items()}
+    assert ours["model.layers.0.self_attn.attn"] == (0.5, 0.25) * 3
+    assert ours["model.layers.1.self_attn.attn"] == (1.5, 1.25) * 3
+    for layer, target in SHARING.items():
+        assert ours[layer] == ours[target], layer  # device tensor, float, CPU copy
+        assert sources[layer] == "shared"
+        assert stock[layer] == (1.0, 1.0) * 3, stock  # stock vLLM 0.32, as found
+        assert stock[target] == ours[target]
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("kvscale")]
+    assert not [m for m in said if "has no k_scale/v_scale tensors" in m], said
+    assert any("2 reading another layer's cache, with its scales" in m for m in said), said
+
+
+@needs_fp8_cpu_cache
+def test_scales_under_a_sharing_layers_own_name_lose_to_the_targets(ckpts, kvscale_warnings):
+    """The checkpoint ships scales for sharing layers (one differs, one is NaN): the
+    target's are served, one warning lists the differing pair, one names the unused
+    corrupt tensor; the start is not refused."""
+    ckpt = ckpts("own", own_scales={2: (0.75, 0.5), 3: (math.nan, 1.25)})
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        held = _held(llm)
+    for layer, target in SHARING.items():
+        assert held[layer] == held[target], layer
+    differ = kvscale_warnings("not the ones the checkpoint ships under their own names")
+    assert len(differ) == 1 and "model.layers.2.self_attn.attn ships (0.75, 0.5)" in differ[0]
+    corrupt = kvscale_warnings("corrupt k/v scales under layers that read another")
+    assert len(corrupt) == 1 and "model.layers.3.self_attn.k_scale" in corrupt[0], corrupt
+
+
+@needs_fp8_cpu_cache
+def test_a_reload_moves_the_sharing_layers_with_their_targets(ckpts):
+    first = ckpts("reload-a")
+    second = ckpts("reload-b", scales={0: (2.5, 3.5), 1: (4.5, 5.5)})
+    with vllm_engine(first, quantization="kvscale") as llm:
+        before = {n: (s.k_ptr, s.v_ptr) for n, s in layer_scales(llm).items()}
+        reload_weights(llm, second)
+        held = _held(llm)
+        after = {n: (s.k_ptr, s.v_ptr) for n, s in layer_scales(llm).items()}
+    assert held["model.layers.0.self_attn.attn"] == (2.5, 3.5) * 3
+    assert held["model.layers.1.self_attn.attn"] == (4.5, 5.5) * 3
+    for layer, target in SHARING.items():
+        assert held[layer] == held[target], layer
+    assert after == before  # in place: the same buffers
+
+
+def test_on_a_bf16_cache_corrupt_sharing_scales_are_named_not_refused(ckpts, kvscale_warnings):
+    """A bf16 cache (every CPU runs it) applies no scale: every layer holds 1.0, and a NaN
+    under a sharing layer's name is named in a warning, never a refusal."""
+    ckpt = ckpts("own-bf16", own_scales={3: (math.nan, 1.25)})
+    with vllm_engine(ckpt, quantization="kvscale", kv_cache_dtype="bfloat16") as llm:
+        held = _held(llm)
+        out = llm.generate(["The quick brown fox"], use_tqdm=False)
+    assert out[0].outputs[0].token_ids
+    assert set(held.values()) == {(1.0, 1.0) * 3}
+    corrupt = kvscale_warnings("corrupt k/v scales under layers that read another")
+    assert len(corrupt) == 1 and "model.layers.3.self_attn.k_scale" in corrupt[0], corrupt
+
+
+@needs_fp8_cpu_cache
+def test_logprobs_are_closer_to_the_bf16_cache_than_stocks(ckpts, monkeypatch):
+    """Gemma-4 with K boosted (scale 1.0 clips it) and calibrated scales for the writing
+    layers: teacher-forced logprobs against a bf16-cache run, vLLM's own (truncating) CPU
+    write on both sides, so that only the scales differ. Gemma normalizes each attention
+    output (post-attention norm), so a wrong V scale on a sharing layer cancels out and
+    only its K scale shows: k_scale ~ 110 here. Measured (2026-12-04, AVX-512 CPU): mean
+    |dlogprob| stock 0.126, kvscale 0.051 (boost 1e3: 0.085 vs 0.045)."""
+    monkeypatch.setenv("KVSCALE_CPU_FP8_WRITE", "vllm")
+    ckpt = ckpts("boosted", scales="calibrate", boost=1e4)
+    ids = reference_token_ids(ckpt)
+    with vllm_engine(ckpt, kv_cache_dtype="bfloat16") as llm:
+        reference = teacher_forced_logprobs(llm, ids)
+    with vllm_engine(ckpt) as llm:
+        stock, _ = logprob_error(teacher_forced_logprobs(llm, ids), reference)
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        held = _held(llm)
+        ours, _ = logprob_error(teacher_forced_logprobs(llm, ids), reference)
+    stored = stored_scales(ckpt)
+    assert held["model.layers.1.self_attn.attn"][:2] == pytest.approx(stored[1], rel=1e-6)
+    for layer, target in SHARING.items():
+        assert held[layer] == held[target]
+    print(f"mean |dlogprob| vs bf16 cache: stock {stock:.4f}, kvscale {ours:.4f}")
+    assert ours * 2 <= stock, (ours, stock)
+
+
+@needs_fp8_cpu_cache
+def test_per_head_scales_are_shared_per_head(ckpts):
+    """``strategy: attn_head`` (two KV heads): each sharing layer holds its target's
+    per-head scales on the device and their max as the float; stock holds 1.0."""
+    ckpt = ckpts("per-head", per_head=True)
+    with vllm_engine(ckpt) as llm:
+        stock = {n: (s.k_heads, s.v_heads) for n, s in layer_scales(llm).items()}
+    with vllm_engine(ckpt, quantization="kvscale") as llm:
+        held = layer_scales(llm)
+    assert held["model.layers.0.self_attn.attn"].k_heads == (0.5, 1.0)
+    assert held["model.layers.1.self_attn.attn"].v_heads == (1.25, 2.5)
+    for layer, target in SHARING.items():
+        mine, theirs = held[layer], held[target]
+        assert (mine.k_heads, mine.v_heads) == (theirs.k_heads, theirs.v_heads), layer
+        assert (mine.k_float, mine.v_float) == (max(theirs.k_heads), max(theirs.v_heads))
+        assert set(stock[layer][0]) == set(stock[layer][1]) == {1.0}, stock[layer]
