@@ -199,3 +199,33 @@ def test_a_process_without_kvscale_keeps_sglangs_own_code(tiny, tmp_path):
     result = json.loads(lines[-1][len("RESULT ") :])
     assert result["before"] == [] and result["stock"] == [], result
     assert result["applied"] == sorted(p.target for p in patches.PATCHES), result
+
+
+def test_no_unoptimized_weights_notice_for_kvscale(tiny):
+    """SGLang warns "<method> quantization is not fully optimized yet" for methods missing
+    from a list local to ``_verify_quantization``; kvscale quantizes no weights, so a
+    kvscale ModelConfig no longer says it (twice per Engine start before) -- while the
+    same line for any other method still reaches SGLang's handlers."""
+    import logging
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    target = logging.getLogger("sglang.srt.configs.model_config")
+    keep = Keep()
+    target.addHandler(keep)
+    try:
+        ckpt = tiny("sgl-llama", family="llama", scales=SCALES)
+        ModelConfig(str(ckpt), quantization="kvscale", dtype="bfloat16")
+        target.warning("%s quantization is not fully optimized yet. The speed ...", "awq")
+    finally:
+        target.removeHandler(keep)
+    notices = [m for m in keep.messages if "not fully optimized" in m]
+    assert notices == ["awq quantization is not fully optimized yet. The speed ..."], notices

@@ -25,6 +25,7 @@ Nothing here decides policy.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -85,8 +86,32 @@ ACTIVATORS: list[Callable[[], None]] = []
 
 def activate() -> None:
     """Install what a kvscale model needs in this process (idempotent)."""
+    quiet_unoptimized_notice()
     for activator in ACTIVATORS:
         activator()
+
+
+class _NotWeightQuantization(logging.Filter):
+    """SGLang's ``ModelConfig._verify_quantization`` warns "<method> quantization is not
+    fully optimized yet. The speed can be slower than non-quantized models." for every
+    method missing from a list local to that function (no way to add one). kvscale
+    quantizes no weights (they run on SGLang's compressed-tensors code, which is on that
+    list), so for kvscale the line is false: this drops exactly that record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            "quantization is not fully optimized yet" in str(record.msg)
+            and record.args
+            and record.args[0] == QUANTIZATION_METHOD
+        )
+
+
+def quiet_unoptimized_notice() -> None:
+    """On SGLang's model-config logger, in a process that builds a kvscale model (the
+    override runs before that warning); idempotent."""
+    target = logging.getLogger("sglang.srt.configs.model_config")
+    if not any(isinstance(f, _NotWeightQuantization) for f in target.filters):
+        target.addFilter(_NotWeightQuantization())
 
 
 class KVScaleConfig(CompressedTensorsConfig):
