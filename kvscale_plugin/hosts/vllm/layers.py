@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvscale_plugin.hosts.vllm.method import KVScaleConfig
     from kvscale_plugin.scales import CorruptScales
+    from kvscale_plugin.scheme import SchemeVerdict
 
 HOST = "vllm"
 #: "warn once" scope of an MTP draft's own warnings (beside its target model's).
@@ -60,3 +61,15 @@ def layer_records(layer: Any) -> tuple[CorruptScales, CorruptScales]:
 def has_served(layer: Any) -> bool:
     """Whether the KV method has served this layer before (its next load is a reload)."""
     return layer.__dict__.get("kvscale_source") is not None
+
+
+def layer_serves_checkpoint_scales(verdict: SchemeVerdict, layer: Any) -> bool:
+    """The one policy (``loadcycle.serves_checkpoint_scales``) for a vLLM attention layer:
+    its cache dtype, as vLLM resolved it for that layer, and vLLM's notion of a quantized
+    cache; an undeclared scheme with an FP8 cache uses scales, as stock vLLM does."""
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+    from kvscale_plugin.loadcycle import serves_checkpoint_scales
+
+    dtype = str(layer.kv_cache_dtype)
+    return serves_checkpoint_scales(verdict, dtype, quantized=is_quantized_kv_cache(dtype))

@@ -42,7 +42,13 @@ from kvscale_plugin.hosts._common import (
     warn_unmapped_scales,
 )
 from kvscale_plugin.hosts.vllm import internals
-from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, has_served, layer_records
+from kvscale_plugin.hosts.vllm.layers import (
+    DRAFT_SCOPE,
+    HOST,
+    has_served,
+    layer_records,
+    layer_serves_checkpoint_scales,
+)
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
@@ -53,6 +59,7 @@ from kvscale_plugin.hosts.vllm.shared import (
     sharing_target,
     warn_about_sharing_layers,
 )
+from kvscale_plugin.loadcycle import computes_own_scales, dynamic_scales_notice
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
@@ -338,11 +345,9 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         if cfg.unmapped_scales:
             warn_unmapped_scales(cfg.unmapped_scales, cfg.warn_scope)
         loaded = {name: _loaded_value(getattr(layer, name)) for name in _SCALE_NAMES}
-        # An FP8 cache uses the checkpoint's scales when the scheme is supported, or when
-        # no scheme is declared and the user chose the FP8 cache (as stock vLLM does).
-        applies = (cfg.kv_verdict.supported or not cfg.kv_verdict.declared) and (
-            is_quantized_kv_cache(layer.kv_cache_dtype)
-        )
+        applies = layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
+        if computes_own_scales(layer.kv_cache_dtype):
+            info_once(f"{cfg.warn_scope}dynamic", dynamic_scales_notice(layer.kv_cache_dtype))
         reload = has_served(layer)
         layer.kvscale_reloaded = reload
         # Every layer of this model loaded before any is processed: the cycle's refusals
@@ -506,6 +511,7 @@ def _warn_missing_scales(cfg: KVScaleConfig, *, draft: bool = False) -> None:
             for name, layer in cfg._attention_layers.items()
             if hasattr(layer, "k_scale")
             and sharing_target(layer) is None
+            and layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
             and not getattr(layer.k_scale, "kvscale_loaded", False)
             and not getattr(layer.v_scale, "kvscale_loaded", False)
         ),

@@ -38,7 +38,12 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import shorten
 from kvscale_plugin.hosts.vllm.internals import replace
-from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer, kvscale_config, layer_records
+from kvscale_plugin.hosts.vllm.layers import (
+    is_kvscale_layer,
+    kvscale_config,
+    layer_records,
+    layer_serves_checkpoint_scales,
+)
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
@@ -56,12 +61,7 @@ def engine_layers(worker: Any) -> list[torch.nn.Module]:
 
 def _uses_checkpoint_scales(layer: torch.nn.Module) -> bool:
     cfg = kvscale_config(layer)
-    verdict = cfg.kv_verdict if cfg is not None else None
-    return (
-        verdict is not None
-        and (verdict.supported or not verdict.declared)
-        and is_quantized_kv_cache(layer.kv_cache_dtype)
-    )
+    return cfg is not None and layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
 
 
 def _configs(layers: Iterable[torch.nn.Module]) -> list[KVScaleConfig]:
