@@ -56,6 +56,7 @@ from kvscale_plugin.hosts.sglang.backends import (
     configured_attention_backends,
     judge_attention_backends,
 )
+from kvscale_plugin.loadcycle import serves_checkpoint_scales
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
@@ -358,7 +359,9 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             # A reload that carried no scales (partial update) keeps the last ones.
             loaded = dict(state.raw or {})
 
-        applies = cfg.kv_verdict.supported and _cache_may_be_fp8()
+        # The one policy (loadcycle.py); SGLang builds no KV method without a scheme.
+        requested = _requested_kv_cache_dtype() or "auto"
+        applies = serves_checkpoint_scales(cfg.kv_verdict, requested, quantized=_cache_may_be_fp8())
         if applies:
             verdict = _backend_verdict()
             if verdict.action is BackendAction.REFUSE:
@@ -380,7 +383,6 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 
         _write_scales(layer, state, resolved)
         layer.kvscale_source = resolved.source.value
-        requested = _requested_kv_cache_dtype() or "auto"
         cfg._load_cycle.done(state.name, resolved, "fp8" if applies else requested)
 
 
