@@ -136,6 +136,13 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     _i(f"{_Q}.base_config", "QuantizeMethodBase", "scales", "type of get_quant_method"),
     _i(
+        "vllm.model_executor.layers.attention.attention",
+        "validate_kv_sharing_target",
+        "scales",
+        "layers that read another layer's KV cache name it in kv_sharing_target_layer_name "
+        "(which this validates): kvscale serves them that layer's scales",
+    ),
+    _i(
         _CT,
         "CompressedTensorsConfig.maybe_update_config",
         "scales",
