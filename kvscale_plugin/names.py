@@ -148,6 +148,12 @@ _MTP_OWN_PREFIX = re.compile(r"(?:^|\.)(?:mtp_layers|mtp\.layers)\.(?P<n>\d+)\."
 _MAIN_STACK_PREFIX = re.compile(r"^(?:model\.(?:language_model\.)?)?layers\.(?P<n>\d+)\.")
 
 
+def main_stack_index(name: str) -> int | None:
+    """``model.layers.3.self_attn`` (or ``model.language_model.layers.3...``) -> 3."""
+    stack = _MAIN_STACK_PREFIX.match(name)
+    return int(stack["n"]) if stack is not None else None
+
+
 def mtp_layer_ordinal(name: str, num_hidden_layers: int | None) -> int | None:
     """Which MTP layer (counted from 0) checkpoint tensor ``name`` belongs to, or None.
 
@@ -158,9 +164,8 @@ def mtp_layer_ordinal(name: str, num_hidden_layers: int | None) -> int | None:
     """
     if (own := _MTP_OWN_PREFIX.search(name)) is not None:
         return int(own["n"])
-    if num_hidden_layers is None or (stack := _MAIN_STACK_PREFIX.match(name)) is None:
+    if num_hidden_layers is None or (index := main_stack_index(name)) is None:
         return None
-    index = int(stack["n"])
     return index - num_hidden_layers if index >= num_hidden_layers else None
 
 

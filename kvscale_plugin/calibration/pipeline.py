@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,13 +75,9 @@ def _reads_other_cache(model_dir: Path, scales: Mapping[str, object]) -> list[st
     """The attention modules (of ``scales``) that read another layer's KV cache, as the
     model's config.json wires it (``sharing.kv_sharing_targets``)."""
     from kvscale_plugin.inspection.config import text_config
+    from kvscale_plugin.names import main_stack_index
     from kvscale_plugin.sharing import kv_sharing_targets
 
     config = json.loads((model_dir / "config.json").read_text())
     shares = kv_sharing_targets(text_config(config))
-    found = []
-    for name in scales:
-        match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-        if match and int(match.group(1)) in shares:
-            found.append(name)
-    return found
+    return [name for name in scales if main_stack_index(name) in shares]

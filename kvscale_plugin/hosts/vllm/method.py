@@ -53,12 +53,7 @@ from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
 from kvscale_plugin.hosts.vllm.served import HeadLayout, write_scales
-from kvscale_plugin.hosts.vllm.shared import (
-    push_to_sharing_layers,
-    serve_target_scales,
-    sharing_target,
-    warn_about_sharing_layers,
-)
+from kvscale_plugin.hosts.vllm.shared import finish_load_cycle, serve_target_scales, sharing_target
 from kvscale_plugin.loadcycle import computes_own_scales, dynamic_scales_notice
 from kvscale_plugin.names import (
     declared_mtp_layers,
@@ -404,7 +399,6 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             prob = 1.0
 
         write_scales(layer, resolved, q_heads, prob)
-        push_to_sharing_layers(cfg, layer_name, resolved)
         self._finish(layer, layer_name, resolved, resolved.source.value)
 
     def _finish(
@@ -425,8 +419,8 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         if counted:  # built in this load cycle (its INFO line counts it)
             draft = getattr(layer, "kvscale_draft", False)
             cfg._load_cycle.done(layer_name, resolved, str(layer.kv_cache_dtype), draft, source)
-        if not cfg._load_cycle.pending:
-            warn_about_sharing_layers(cfg)
+            if not cfg._load_cycle.pending:
+                finish_load_cycle(cfg)
         self._drop_placeholders(layer)
 
     @staticmethod

@@ -6,7 +6,7 @@ CPU requires x86 with AVX-512 or AMX"), after the model and its scales loaded, a
 other builds of the cache-write op have no FP8 path. Stock vLLM resolves
 ``--kv-cache-dtype auto`` to FP8 on a declared scheme and then fails there; kvscale chose
 that FP8 cache, so where the platform cannot run it, ``auto`` degrades to the model
-dtype's cache with one warning (the scales are still loaded and validated, never applied)
+dtype's cache with one warning (the scales are still loaded, never applied)
 -- as kvscale does on SGLang's scale-blind backends. An explicit ``--kv-cache-dtype fp8``
 still gets vLLM's own refusal.
 
@@ -23,8 +23,8 @@ import torch
 DEGRADED = (
     "kvscale: this CPU has neither AVX-512 nor AMX, and vLLM's CPU build runs an FP8 KV "
     "cache only on x86 with AVX-512 or AMX: --kv-cache-dtype auto serves the model "
-    "dtype's cache here instead of FP8 (the checkpoint's k/v scales are loaded and "
-    "validated, not applied). FP8 runs on a CPU with AVX-512 or AMX, or on a GPU; "
+    "dtype's cache here instead of FP8 (the checkpoint's k/v scales are loaded, not "
+    "applied). FP8 runs on a CPU with AVX-512 or AMX, or on a GPU; "
     "--kv-cache-dtype fp8 asks vLLM for it here anyway (vLLM refuses)."
 )
 

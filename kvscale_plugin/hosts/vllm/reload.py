@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import shorten
@@ -118,7 +117,7 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
             if not getattr(layer, "kvscale_reloaded", False)
             and sharing_target(layer) is None
             and kvscale_config(layer).kv_verdict.supported  # type: ignore[union-attr]
-            and is_quantized_kv_cache(layer.kv_cache_dtype)
+            and _uses_checkpoint_scales(layer)
         ]
         if silent:
             cfg = kvscale_config(silent[0])

@@ -4,9 +4,11 @@ kv_sharing_target_layer_name``: Gemma-3n / Gemma-4 ``num_kv_shared_layers``): th
 
 vLLM 0.32 builds such a layer with its own ``_k_scale`` / ``_v_scale`` (1.0) and copies no
 scale from the target anywhere (gemma3n.py, gemma4.py, gemma4_mtp.py, v1/spec_decode/
-gemma4.py). kvscale gives it the target's resolved scales when it is processed, and again
-every time the target is processed (``push_to_sharing_layers``): vLLM's in-place reloads
-may not process a layer without weights of its own, while its target's scales change.
+gemma4.py). kvscale gives it the target's resolved scales when it is processed, every
+sharing layer again at the end of each load cycle (whatever order vLLM processed them in),
+and after every reload (``resync_sharing_layers``, from the worker's reload check): vLLM's
+layerwise reload restores a layer that loaded nothing without calling its KV method, while
+its target's scales change.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def serve_target_scales(
     own: tuple[tuple[float, ...] | None, tuple[float, ...] | None],
 ) -> ResolvedScales:
     """Give a sharing layer its target's scales (the target's resolution; unscaled until
-    the target is processed, which pushes them here then), and note what the checkpoint
+    the target is processed: ``finish_load_cycle`` re-syncs), and note what the checkpoint
     shipped under the layer's own name. Returns what it serves."""
     target = sharing_target(layer)
     assert target is not None
@@ -51,16 +53,8 @@ def serve_target_scales(
     return resolved
 
 
-def push_to_sharing_layers(cfg: Any, name: str, resolved: ResolvedScales) -> None:
-    """The writing layer ``name`` was just given ``resolved``: so is every layer of this
-    process that reads its cache."""
-    for layer in cfg.attention_layers():
-        if sharing_target(layer) == name:
-            write_kv_scales(layer, resolved)
-
-
 def resync_sharing_layers(layers: list[torch.nn.Module]) -> None:
-    """After a reload: every sharing layer of ``layers`` holds what its target serves."""
+    """Every sharing layer of ``layers`` holds what its target serves now."""
     by_name = {getattr(layer, "layer_name", None): layer for layer in layers}
     for layer in layers:
         name = sharing_target(layer)
@@ -69,8 +63,10 @@ def resync_sharing_layers(layers: list[torch.nn.Module]) -> None:
             write_kv_scales(layer, resolved)
 
 
-def warn_about_sharing_layers(cfg: Any) -> None:
-    """At the end of a load cycle: the notes, once per engine and cause."""
+def finish_load_cycle(cfg: Any) -> None:
+    """At the end of a load cycle: every sharing layer re-synced with its target, then the
+    notes, once per engine and cause."""
+    resync_sharing_layers(cfg.attention_layers())
     for i, message in enumerate(shared_notes(cfg).warnings()):
         warn_once(f"{cfg.warn_scope}shared-kv-{i}", message)
 
