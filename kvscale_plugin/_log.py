@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 
 logger = logging.getLogger("kvscale_plugin")
 
@@ -77,3 +78,10 @@ def follow_host_logging(host_logger: str) -> bool:
     # host's level when it hands them on, and propagation is left as Python does it.
     logger.setLevel(logging.INFO)
     return True
+
+
+def shorten(names: Iterable[str], noun: str = "layers", most: int = 4) -> str:
+    """``names`` sorted, the first ``most`` shown, then how many there are in all."""
+    ordered = sorted(names)
+    more = f", ... ({len(ordered)} {noun})" if len(ordered) > most else ""
+    return ", ".join(ordered[:most]) + more

@@ -8,12 +8,21 @@ announced, how an untested host version is reported) live here once.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin._log import logger, shorten, warn_once
+from kvscale_plugin.heads import HeadLayout
+from kvscale_plugin.loadcycle import (
+    read_scale,
+    reload_without_scales_message,
+    unused_corrupt_message,
+)
+from kvscale_plugin.scales import CorruptScales
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
 
 
@@ -94,13 +103,6 @@ def announce_verdict(scheme: Any, scope: str = "") -> SchemeVerdict:
     return verdict
 
 
-def shorten(names: Iterable[str], noun: str = "layers", most: int = 4) -> str:
-    """``names`` sorted, the first ``most`` shown, then how many there are in all."""
-    ordered = sorted(names)
-    more = f", ... ({len(ordered)} {noun})" if len(ordered) > most else ""
-    return ", ".join(ordered[:most]) + more
-
-
 def warn_missing_scales(layer_names: Iterable[str], scope: str = "") -> None:
     """One warning (per engine: ``scope``) for a declared scheme whose checkpoint has no
     scales for some layers."""
@@ -115,16 +117,61 @@ def warn_missing_scales(layer_names: Iterable[str], scope: str = "") -> None:
     )
 
 
-def check_zero_point(tensor_name: str, loaded: Any) -> None:
+# Loaders are plain functions (not functools.partial): vLLM's in-place reload wraps them
+# and reads their __name__; its replay binds the first argument "param". SGLang passes
+# loaders extra positional arguments (shard ids), which they ignore.
+def scale_loader(
+    corrupt: CorruptScales,
+    tensor_name: Callable[[], str],
+    heads: HeadLayout | None,
+    store: Callable[[torch.Tensor, tuple[float, ...]], None],
+    *,
+    is_query: bool = False,
+) -> Callable[..., None]:
+    """A scale parameter's weight loader, the same for every host: each tensor it is given
+    is read by ``loadcycle.read_scale`` (every element checked, this rank's heads kept);
+    a bad one goes to ``corrupt`` (reported with every other after loading), a good one to
+    ``store(param, values)`` -- the host's record of what the cycle loaded. ``tensor_name``
+    is asked at each load: the name a problem is filed under."""
+
+    def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
+        name = tensor_name()
+        corrupt.forget(name)
+        values, problems = read_scale(name, loaded_weight, heads, is_query=is_query)
+        if values is None:
+            corrupt.add(problems)
+            return
+        store(param, values)
+
+    return load_kv_scale
+
+
+def zero_point_loader(tensor_name: str) -> Callable[..., None]:
     """Zero points are accepted and dropped (symmetric only); a non-zero one is reported."""
-    if loaded.numel() and bool((loaded.float() != 0).any()):
-        warn_once(
-            f"zero-point:{tensor_name}",
-            "kvscale: checkpoint tensor '%s' holds a non-zero zero point; KV-cache "
-            "quantization is symmetric here, so it is ignored. Re-export the checkpoint "
-            "with a symmetric kv_cache_scheme if K/V are off-centre.",
-            tensor_name,
-        )
+
+    def load_kv_zero_point(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
+        if loaded_weight.numel() and bool((loaded_weight.float() != 0).any()):
+            warn_once(
+                f"zero-point:{tensor_name}",
+                "kvscale: checkpoint tensor '%s' holds a non-zero zero point; KV-cache "
+                "quantization is symmetric here, so it is ignored. Re-export the checkpoint "
+                "with a symmetric kv_cache_scheme if K/V are off-centre.",
+                tensor_name,
+            )
+
+    return load_kv_zero_point
+
+
+def warn_unused_corrupt(corrupt: CorruptScales, scope: str = "") -> None:
+    """One warning per engine (``scope``) and set of tensors: corrupt scales that this
+    engine's KV cache does not use (``loadcycle.unused_corrupt_message``)."""
+    labels = ",".join(sorted(corrupt.as_mapping()))
+    warn_once(f"{scope}unused-corrupt:{labels}", "%s", unused_corrupt_message(corrupt))
+
+
+def warn_reload_without_scales(layer_names: Iterable[str], scope: str = "") -> None:
+    """One warning per engine (``scope``): a reload carried no scale for these layers."""
+    warn_once(f"{scope}reload-without-scales", "%s", reload_without_scales_message(layer_names))
 
 
 def warn_unmapped_scales(names: Iterable[str], scope: str = "") -> None:

@@ -98,13 +98,15 @@ def engine_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def run_engine(
     engine_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., EngineRun]:
-    """``run_engine(name, model_path, input_ids, max_new_tokens=4, **engine_kwargs)``."""
+    """``run_engine(name, model_path, input_ids, max_new_tokens=4, steps=None,
+    **engine_kwargs)`` (``steps``: weight updates, see engine_driver.py)."""
 
     def run(
         name: str,
         model_path: Path,
         input_ids: list[int],
         max_new_tokens: int = 4,
+        steps: list[dict[str, str]] | None = None,
         **engine_kwargs: Any,
     ) -> EngineRun:
         work = tmp_path_factory.mktemp(f"engine-{name}")
@@ -118,7 +120,12 @@ def run_engine(
             log_level="warning",
         )
         kwargs.update(engine_kwargs)
-        spec = {"engine": kwargs, "input_ids": input_ids, "max_new_tokens": max_new_tokens}
+        spec = {
+            "engine": kwargs,
+            "input_ids": input_ids,
+            "max_new_tokens": max_new_tokens,
+            "steps": steps or [],
+        }
         (work / "spec.json").write_text(json.dumps(spec))
         env = dict(engine_env, KVSCALE_ENGINE_PROBE=str(work / "probe.json"))
         log_path = work / "engine.log"

@@ -5,10 +5,15 @@ in its own process group (SGLang's Engine installs signal handlers, switches
 multiprocessing to ``spawn`` and starts a scheduler and a detokenizer process: none of
 that belongs in the pytest process, and the group is killed whole afterwards).
 
-SPEC: ``{"engine": {...Engine kwargs...}, "input_ids": [...], "max_new_tokens": N}``.
+SPEC: ``{"engine": {...Engine kwargs...}, "input_ids": [...], "max_new_tokens": N}``, and
+optionally ``"steps"``: weight updates run after that first request, each followed by the
+same request again -- ``{"update_weights_from_disk": PATH}``, or
+``{"update_weights_from_tensor": PATH}`` (a session: ``begin_weight_update``, the
+checkpoint's tensors without its ``*_scale`` ones, as a trainer sends them,
+``end_weight_update``).
 OUT: ``{"pid", "start_s", "input_token_logprobs", "output_token_logprobs"}`` (each a list
-of ``[logprob, token_id]``), or ``{"pid", "start_s", "error"}`` when the Engine did not
-start or the request failed.
+of ``[logprob, token_id]``) and ``"steps"`` (each ``{"answer", "output_token_logprobs"}``),
+or ``{"pid", "start_s", "error"}`` when the Engine did not start or a request failed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,40 @@ from typing import Any
 
 def _pairs(entries: list[Any]) -> list[list[Any]]:
     return [[lp, tok] for lp, tok, *_ in entries]
+
+
+def _generate(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    out = engine.generate(
+        input_ids=spec["input_ids"],
+        sampling_params={"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    meta = out["meta_info"]
+    return {
+        "input_token_logprobs": _pairs(meta["input_token_logprobs"]),
+        "output_token_logprobs": _pairs(meta["output_token_logprobs"]),
+    }
+
+
+def _trainer_weights(path: str) -> list[tuple[str, Any]]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return [(n, t) for n, t in tensors.items() if not n.endswith("_scale")]
+
+
+def _step(engine: Any, step: dict[str, Any]) -> Any:
+    if "update_weights_from_disk" in step:
+        return list(engine.update_weights_from_disk(step["update_weights_from_disk"]))
+    engine.begin_weight_update()
+    answer = engine.update_weights_from_tensor(_trainer_weights(step["update_weights_from_tensor"]))
+    engine.end_weight_update()
+    return list(answer)
 
 
 _quit_signals: list[int] = []
@@ -50,15 +89,12 @@ def main(spec_path: str, out_path: str) -> int:
         return 0
     result["start_s"] = time.monotonic() - start
     try:
-        out = engine.generate(
-            input_ids=spec["input_ids"],
-            sampling_params={"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0},
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-        meta = out["meta_info"]
-        result["input_token_logprobs"] = _pairs(meta["input_token_logprobs"])
-        result["output_token_logprobs"] = _pairs(meta["output_token_logprobs"])
+        result.update(_generate(engine, spec))
+        result["steps"] = []
+        for step in spec.get("steps", []):
+            answer = _step(engine, step)
+            out = _generate(engine, spec)["output_token_logprobs"]
+            result["steps"].append({"answer": answer, "output_token_logprobs": out})
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -190,3 +190,22 @@ def resolve_kv_cache_dtype(model: torch.nn.Module, requested: str = "auto") -> t
         is_dflash=False,
         speculative_draft_attention_backend=None,
     )
+
+
+def update_weights_from_disk(model: torch.nn.Module, model_config: Any, path: Path) -> tuple:
+    """SGLang's own ``WeightUpdater.update_weights_from_disk`` (what the scheduler calls for
+    ``Engine.update_weights_from_disk``) on ``model``: ``(success, message)``."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    updater = WeightUpdater(
+        tp_rank=0,
+        device="cpu",
+        gpu_id=0,
+        model_config=model_config,
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda *args, **kwargs: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: None,
+    )
+    return updater.update_weights_from_disk(str(path), "auto")

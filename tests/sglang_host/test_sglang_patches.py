@@ -20,6 +20,8 @@ EXPECTED_TARGETS = {
     "sglang.srt.models.qwen3.Qwen3Attention.__init__",
     "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__",
     "sglang.srt.models.glm4_moe.Glm4MoeAttention.__init__",
+    "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+    ".update_weights_from_disk",
 }
 
 QWEN3_ATTACH = (

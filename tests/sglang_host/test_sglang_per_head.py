@@ -9,6 +9,7 @@ rank's heads, and serves each layer in FP8 with the max over its heads.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -26,6 +27,7 @@ from sglang_helpers import (  # noqa: E402
     per_head_tensor,
     reload,
     resolve_kv_cache_dtype,
+    update_weights_from_disk,
 )
 
 from kvscale_plugin.scales import CorruptScaleError  # noqa: E402
@@ -179,8 +181,10 @@ def test_reload_after_corrupt_per_head_load_forgets_old_problems(tiny):
         extra_tensors={"model.layers.0.self_attn.v_scale": per_head_tensor((1.0, math.nan))},
     )
     model, model_config = build_model(good)
-    with pytest.raises(CorruptScaleError, match=r"self_attn\.v_scale\[head 1\]: NaN"):
-        reload(model, model_config, bad)
+    # Refused naming the head; every layer keeps its scales (loadcycle.decide).
+    ok, message = update_weights_from_disk(model, model_config, bad)
+    assert not ok and re.search(r"self_attn\.v_scale\[head 1\]: NaN", message), message
+    assert_per_head(layer_scales(model), PER_HEAD)
     reload(model, model_config, good)
     assert_per_head(layer_scales(model), PER_HEAD)
 
@@ -219,7 +223,9 @@ def test_rank_kv_heads_partitions_or_replicates(total, size, expected):
 
 
 def test_place_kv_heads_uses_the_layout_that_matches_the_layer():
-    from kvscale_plugin.hosts.sglang.method import place_kv_heads
+    from kvscale_plugin.heads import HeadLayout
+
+    place_kv_heads = HeadLayout.place
 
     # Attention TP (DP attention: rank 1 of 2) vs full TP (rank 3 of 4), 4 KV heads: a layer
     # with 2 heads per rank was split over the attention TP group, one with 1 over full TP.

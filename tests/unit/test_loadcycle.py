@@ -1,10 +1,26 @@
-"""The load cycle's one policy: which caches serve the checkpoint's k/v scales."""
+"""The load cycle both hosts call: which caches serve the checkpoint's k/v scales, what a
+loader reads from each tensor, and what a load or reload serves (the one rule)."""
 
 from __future__ import annotations
 
-import pytest
+import math
 
-from kvscale_plugin.loadcycle import computes_own_scales, serves_checkpoint_scales
+import pytest
+import torch
+
+from kvscale_plugin.heads import HeadLayout
+from kvscale_plugin.hosts._common import scale_loader
+from kvscale_plugin.loadcycle import (
+    Action,
+    computes_own_scales,
+    decide,
+    read_scale,
+    refused_reload_message,
+    reload_without_scales_message,
+    serves_checkpoint_scales,
+    unused_corrupt_message,
+)
+from kvscale_plugin.scales import CorruptScales, unscaled
 from kvscale_plugin.scheme import FP8_KV_SCHEME, judge_kv_cache_scheme
 
 SUPPORTED = judge_kv_cache_scheme(dict(FP8_KV_SCHEME))
@@ -38,3 +54,101 @@ def test_only_per_token_head_modes_compute_their_own():
     assert [d for d in ("fp8", "fp8_e5m2", "fp8_per_token_head") if computes_own_scales(d)] == [
         "fp8_per_token_head"
     ]
+
+
+# --- the one reload rule (loadcycle.decide), on plain tensors: no engine -------------------
+
+
+def _cycle(tensors: dict[str, object], heads=None) -> tuple[dict, CorruptScales]:
+    """One load cycle through the loaders both hosts use: what each stored, what was refused."""
+    corrupt, stored = CorruptScales(), {}
+    for name, value in tensors.items():
+        loader = scale_loader(
+            corrupt,
+            lambda name=name: name,
+            heads,
+            lambda _p, vals, n=name: stored.update({n: vals}),
+        )
+        loader(torch.zeros(()), torch.as_tensor(value, dtype=torch.float32), "shard-id")
+    return stored, corrupt
+
+
+def test_a_load_with_new_scales_serves_them():
+    stored, corrupt = _cycle({"l0.k_scale": 3.25, "l0.v_scale": 2.5})
+    out = decide(
+        serves=True,
+        reload=True,
+        corrupt=bool(corrupt),
+        k=stored["l0.k_scale"],
+        v=stored["l0.v_scale"],
+    )
+    assert out.action is Action.SERVE and (out.resolved.k, out.resolved.v) == (3.25, 2.5)
+    assert not (out.refused or out.carried_none or out.unused_corrupt or out.missing)
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_corrupt_scale_is_refused_at_start_and_kept_back_in_a_reload(reload):
+    stored, corrupt = _cycle({"l0.k_scale": 2.0, "l1.k_scale": math.nan})
+    assert list(stored) == ["l0.k_scale"]
+    assert corrupt.as_mapping() == {"l1.k_scale": "NaN"}
+    # Layer 0's own scale is valid: the whole cycle's scales are refused all the same.
+    out = decide(serves=True, reload=reload, corrupt=True, k=stored["l0.k_scale"], v=None)
+    if reload:
+        assert out.action is Action.KEEP and out.refused and out.resolved is None
+    else:
+        assert out.action is Action.REFUSE
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_corrupt_scale_a_bf16_cache_does_not_use_changes_nothing_but_is_flagged(reload):
+    out = decide(serves=False, reload=reload, corrupt=True, k=(2.0,), v=None)
+    assert out.action is Action.SERVE and out.resolved == unscaled() and out.unused_corrupt
+    assert "these corrupt ones are not served" in unused_corrupt_message(_cycle({"x": -1.0})[1])
+
+
+def test_a_reload_without_scales_keeps_those_in_force():
+    out = decide(serves=True, reload=True, corrupt=False, k=None, v=None)
+    assert out.action is Action.KEEP and out.carried_none and not out.refused
+
+
+def test_a_first_load_without_scales_serves_one_and_says_so():
+    out = decide(serves=True, reload=False, corrupt=False, k=None, v=None)
+    assert out.action is Action.SERVE and out.missing and out.resolved.k == 1.0
+
+
+def test_one_kv_scale_serves_k_and_v_and_fnuz_doubles_once():
+    out = decide(serves=True, reload=False, corrupt=False, k=(3.0,), v=None, fnuz=True)
+    assert (out.resolved.k, out.resolved.v, out.resolved.source.value) == (6.0, 6.0, "duplicated")
+
+
+def test_per_head_loads_keep_this_ranks_heads_and_check_every_head():
+    layout = HeadLayout.place(4, 2, [(1, 2)], total_q=8)
+    assert layout.heads == (2, 3)
+    stored, corrupt = _cycle({"k": [[[1.0]], [[2.0]], [[3.0]], [[4.0]]]}, layout)
+    assert stored == {"k": (3.0, 4.0)} and not corrupt
+    # A bad head another rank serves is still this cycle's problem.
+    stored, corrupt = _cycle({"k": [0.0, 2.0, 3.0, 4.0]}, layout)
+    assert stored == {} and list(corrupt.as_mapping()) == ["k[head 0]"]
+
+
+def test_a_per_query_head_q_scale_is_reduced_over_each_kv_heads_group():
+    layout = HeadLayout.place(4, 2, [(0, 2)], total_q=8)
+    values, problems = read_scale("q", torch.arange(1.0, 9.0), layout, is_query=True)
+    assert problems == [] and values == (2.0, 4.0)  # max of (1,2) and (3,4)
+
+
+def test_heads_that_cannot_be_placed_are_each_tensors_problem():
+    layout = HeadLayout.place(4, 3, [(1, 2), (3, 4)])
+    assert layout.heads is None and layout.local == 0
+    values, problems = read_scale("k", torch.ones(4), layout)
+    assert values is None
+    assert "cannot place 4 per-head scales onto this layer's 3 KV head(s)" in problems[0].why
+
+
+def test_the_refusal_and_the_reload_warning_name_what_to_do():
+    _, corrupt = _cycle({"model.layers.1.self_attn.k_scale": math.nan})
+    text = refused_reload_message(corrupt, "SGLang")
+    assert "model.layers.1.self_attn.k_scale: NaN" in text
+    assert "every attention layer keeps the KV scales it had" in text and "SGLang" in text
+    text = reload_without_scales_message([f"layer{i}" for i in range(6)])
+    assert "layer0, layer1, layer2, layer3, ... (6 layers)" in text

@@ -6,8 +6,9 @@ is imported only by ``hosts.sglang.register``. The ``HookRegistry`` patches for
 SGLang 0.5.23's gaps live apart, in ``hosts.sglang.patches``.
 
 Thin translation from SGLang's quantization API to the host-independent core:
-``scheme.judge_kv_cache_scheme`` decides, ``scales.resolve_kv_scales`` resolves.
-Nothing here decides policy.
+``scheme.judge_kv_cache_scheme`` judges the scheme, ``loadcycle`` reads each loaded tensor
+and decides what a load or reload serves (the same rule as vLLM's adapter). Nothing here
+decides policy.
 
 * ``KVScaleConfig``: SGLang's ``CompressedTensorsConfig`` (linear / MoE weight
   schemes unchanged) whose ``RadixAttention`` layers get ``KVScaleKVCacheMethod``.
@@ -19,7 +20,7 @@ Nothing here decides policy.
   ``k_scale`` and refuses non-scalar values; its compressed-tensors config ignores
   ``attn_head``; cache writes and attention backends take one scale per layer). kvscale
   validates every head, keeps this TP rank's heads (``layer.kvscale_k_heads`` /
-  ``kvscale_v_heads``, placed by ``place_kv_heads``) and serves each layer with the max
+  ``kvscale_v_heads``, placed by ``heads.HeadLayout``) and serves each layer with the max
   over them, so nothing clips.
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,14 +42,18 @@ from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
 from sglang.srt.layers.radix_attention import RadixAttention
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import warn_once
+from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.hosts._common import (
     LoadCycle,
     announce_verdict,
-    check_zero_point,
     claims_checkpoint,
     no_checkpoint_config_error,
+    scale_loader,
     warn_missing_scales,
+    warn_reload_without_scales,
+    warn_unused_corrupt,
+    zero_point_loader,
 )
 from kvscale_plugin.hosts.sglang.backends import (
     BackendAction,
@@ -56,25 +61,24 @@ from kvscale_plugin.hosts.sglang.backends import (
     configured_attention_backends,
     judge_attention_backends,
 )
-from kvscale_plugin.loadcycle import serves_checkpoint_scales
+from kvscale_plugin.loadcycle import (
+    ZERO_POINT_NAMES,
+    Action,
+    decide,
+    refused_reload_message,
+    serves_checkpoint_scales,
+)
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
     CorruptScales,
     ResolvedScales,
-    ScaleProblem,
-    ScaleSource,
-    rank_kv_heads,
-    resolve_kv_scales,
-    scale_problem_records,
-    unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
 
 #: The host name the pluggy name-mapping hook is asked with.
 HOST = "sglang"
 _SCALE_NAMES = ("k_scale", "v_scale")
-_ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
 #: Attribute set on every parameter this method creates (loaders and patches key on it).
 PLACEHOLDER_ATTR = "kvscale_placeholder"
 
@@ -148,6 +152,13 @@ class KVScaleConfig(CompressedTensorsConfig):
         # How many times the model's load_weights ran (0 after a dummy load); counted
         # by the load_weights wrapper that patches.py installs.
         self.weight_loads = 0
+        # The reload being processed: what it refused (named as on disk; every layer kept
+        # its scales) and the layers it carried no scale for. ``refused`` stays until the
+        # caller's entry point reads it (``take_refusal``); True while one that reports
+        # the refusal itself (update_weights_from_disk: patches.py) is running.
+        self.refused = CorruptScales()
+        self.kept_without_scales: set[str] = set()
+        self.caller_reports_refusal = False
         self._layer_states: weakref.WeakValueDictionary[str, _LayerState] = (
             weakref.WeakValueDictionary()
         )
@@ -173,48 +184,17 @@ class KVScaleConfig(CompressedTensorsConfig):
             activate()
         return claimed
 
+    def take_refusal(self) -> CorruptScales:
+        """What the last reload refused (empty: nothing), forgotten once read."""
+        refused, self.refused = self.refused, CorruptScales()
+        return refused
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if isinstance(layer, RadixAttention):
             if not self.kv_verdict.declared:
                 return None  # no scheme: no scale parameters, exactly as without the plugin
             return KVScaleKVCacheMethod(self, prefix or f"layer_{layer.layer_id}.attn")
         return super().get_quant_method(layer, prefix)
-
-
-@dataclass(frozen=True)
-class HeadPlacement:
-    """Where this rank's KV heads sit among the model's ``total`` KV heads (attn_head).
-
-    ``heads`` are the indices of the checkpoint's per-head scales this rank serves, or
-    ``None`` with ``problem`` saying why they cannot be placed.
-    """
-
-    total: int
-    heads: tuple[int, ...] | None
-    problem: str | None = None
-
-
-def place_kv_heads(
-    total_kv_heads: int, rank_kv_heads_count: int, layouts: Iterable[tuple[int, int]]
-) -> HeadPlacement:
-    """This rank's heads under the first ``(tp_rank, tp_size)`` layout that gives the
-    attention layer its ``rank_kv_heads_count`` heads (SGLang models split heads over
-    the attention TP group or the full TP group, depending on the model)."""
-    tried = []
-    for rank, size in layouts:
-        try:
-            heads = rank_kv_heads(total_kv_heads, rank, size)
-        except ValueError:
-            continue
-        if len(heads) == rank_kv_heads_count:
-            return HeadPlacement(total_kv_heads, heads)
-        tried.append(f"rank {rank} of {size}")
-    return HeadPlacement(
-        total_kv_heads,
-        None,
-        f"cannot place {total_kv_heads} per-head scales onto this layer's "
-        f"{rank_kv_heads_count} KV head(s) on this rank ({', '.join(tried) or 'no TP layout'})",
-    )
 
 
 def _total_kv_heads(hf_config: Any) -> int | None:
@@ -247,8 +227,10 @@ def _tp_layouts() -> list[tuple[int, int]]:
         return [(0, 1)]
 
 
-def _head_placement(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadPlacement | None:
-    """None for per-tensor schemes; else which checkpoint heads this layer serves here."""
+def _head_placement(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout | None:
+    """None for per-tensor schemes; else which checkpoint heads this layer serves here
+    (SGLang models split heads over the attention TP group or the full TP group, depending
+    on the model: the layout that gives the layer its head count is the one)."""
     if not cfg.kv_verdict.per_head:
         return None
     per_rank = getattr(layer, "tp_k_head_num", None)
@@ -258,8 +240,8 @@ def _head_placement(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadPlacement
         # No HF config: the partitioned layout (exact whenever total >= tp size).
         total = int(per_rank or 1) * max(size for _, size in layouts)
     if not isinstance(per_rank, int) or per_rank <= 0:
-        return HeadPlacement(total, tuple(range(total)))
-    return place_kv_heads(total, per_rank, layouts)
+        return HeadLayout(total, total, tuple(range(total)))
+    return HeadLayout.place(total, per_rank, layouts)
 
 
 @dataclass(eq=False)
@@ -268,12 +250,14 @@ class _LayerState:
 
     name: str
     # attn_head schemes: where this rank's heads sit in the checkpoint's per-head scales.
-    placement: HeadPlacement | None = None
+    placement: HeadLayout | None = None
     # Scales written by the checkpoint in the current load cycle (name -> value; a
     # tuple of this rank's heads for per-head schemes).
     pending: dict[str, float | tuple[float, ...]] = field(default_factory=dict)
-    # The last checkpoint values, re-resolved when a reload carries no scales.
+    # The last checkpoint values a load served from (what the scales in force came from).
     raw: dict[str, float | tuple[float, ...]] | None = None
+    # The scales in force (None until the layer is first processed: then a load is a reload).
+    resolved: ResolvedScales | None = None
     # Host-side copies kept equal to the served scales (e.g. Qwen3's fused CPU scales).
     mirrors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # Checkpoint tensor loaded into a scale whose name is not this layer's own (an MTP
@@ -315,16 +299,21 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             param = torch.nn.Parameter(
                 torch.tensor(SENTINEL, dtype=torch.float32), requires_grad=False
             )
-            param.weight_loader = _scale_loader(state, cfg.corrupt_scales, name)
+            param.weight_loader = scale_loader(
+                cfg.corrupt_scales,
+                lambda kind=name: state.tensor_name(kind),
+                state.placement,
+                _recorder(state, name),
+            )
             # One number per layer even for per-head schemes: SGLang's cache writes
             # divide by it and its backends broadcast it (see the module docstring).
             param._skip_weight_check = True  # SGLang's weight checker: not a model weight
             setattr(param, PLACEHOLDER_ATTR, True)
             setattr(layer, name, param)
-        for name in _ZERO_POINT_NAMES:
+        for name in ZERO_POINT_NAMES:
             # Accepted so that loaders do not trip over them, then dropped (symmetric only).
             param = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-            param.weight_loader = _zero_point_loader(f"{self.layer_name}.{name}")
+            param.weight_loader = zero_point_loader(f"{self.layer_name}.{name}")
             param._skip_weight_check = True
             setattr(param, PLACEHOLDER_ATTR, True)
             setattr(layer, name, param)
@@ -351,13 +340,8 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         if state is None:
             return
         cfg = self.quant_config
-        if state.pending:
-            loaded = dict(state.pending)
-            state.pending.clear()
-            state.raw = loaded
-        else:
-            # A reload that carried no scales (partial update) keeps the last ones.
-            loaded = dict(state.raw or {})
+        loaded = dict(state.pending)
+        state.pending.clear()
 
         # The one policy (loadcycle.py); SGLang builds no KV method without a scheme.
         requested = _requested_kv_cache_dtype() or "auto"
@@ -366,24 +350,66 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             verdict = _backend_verdict()
             if verdict.action is BackendAction.REFUSE:
                 raise ValueError(verdict.message)
-        if applies and cfg.corrupt_scales:
-            raise CorruptScaleError(cfg.corrupt_scales.renamed(cfg.checkpoint_names).message())
-        if applies:
-            resolved = resolve_kv_scales(
-                loaded.get("k_scale"), loaded.get("v_scale"), fnuz=is_fp8_fnuz()
-            )
+        corrupt = cfg.corrupt_scales.renamed(cfg.checkpoint_names)
+        # The one rule for both hosts (loadcycle.decide).
+        outcome = decide(
+            serves=applies,
+            reload=state.resolved is not None,
+            corrupt=bool(corrupt),
+            k=_values(loaded.get("k_scale")),
+            v=_values(loaded.get("v_scale")),
+            fnuz=is_fp8_fnuz(),
+        )
+        if outcome.action is Action.REFUSE:
+            raise CorruptScaleError(corrupt.message())
+        if outcome.unused_corrupt:
+            warn_unused_corrupt(corrupt)
+        if outcome.action is Action.KEEP:
+            # Never raises in a reload: SGLang post-processes layer by layer and its
+            # weight-update paths have no rollback that could survive it (the disk update
+            # "rolls back" by loading the same new checkpoint again). The layer keeps its
+            # scales; the reload is refused once SGLang has finished (``_end_cycle``).
+            if outcome.refused:
+                cfg.refused.update(corrupt)
+            if outcome.carried_none:
+                cfg.kept_without_scales.add(state.name)
+            resolved = state.resolved
+            assert resolved is not None
+        else:
+            resolved = outcome.resolved
+            assert resolved is not None
+            if loaded and not outcome.unused_corrupt:
+                state.raw = loaded  # a cycle with a corrupt tensor never becomes the record
             # No load through load_weights yet (dummy load, e.g. for RL: the real
             # weights come with a later reload): no checkpoint to miss scales from.
-            if resolved.source is ScaleSource.DEFAULT and cfg.weight_loads > 0:
+            if outcome.missing and cfg.weight_loads > 0:
                 _warn_missing_scales(cfg)
             if resolved.per_head:
                 _announce_per_layer_max()
-        else:
-            resolved = unscaled()
-
-        _write_scales(layer, state, resolved)
-        layer.kvscale_source = resolved.source.value
+            _write_scales(layer, state, resolved)
+            state.resolved = resolved
+            layer.kvscale_source = resolved.source.value
         cfg._load_cycle.done(state.name, resolved, "fp8" if applies else requested)
+        if not cfg._load_cycle.pending:
+            _end_cycle(cfg)
+
+
+def _end_cycle(cfg: KVScaleConfig) -> None:
+    """Every layer of the cycle processed: say once what the reload kept."""
+    if cfg.kept_without_scales:
+        warn_reload_without_scales(cfg.kept_without_scales)
+        cfg.kept_without_scales.clear()
+    if cfg.refused and not cfg.caller_reports_refusal:
+        # A weight-update session (update_weights_from_tensor / _distributed, closed by
+        # end_weight_update): SGLang's session answers "Success" whatever its quant
+        # methods found, so the refusal can only be logged.
+        logger.error("%s", refused_reload_message(cfg.take_refusal(), "SGLang"))
+
+
+def _values(value: float | tuple[float, ...] | None) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    return value if isinstance(value, tuple) else (value,)
 
 
 def _announce_per_layer_max() -> None:
@@ -412,40 +438,15 @@ def _write_scales(layer: torch.nn.Module, state: _LayerState, resolved: Resolved
     layer.kvscale_v_heads = resolved.v_heads
 
 
-def _scale_loader(state: _LayerState, corrupt: CorruptScales, kind: str) -> Callable[..., None]:
-    def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
-        placement = state.placement
-        tensor_name = state.tensor_name(kind)
-        corrupt.forget(tensor_name)
-        # Every element of the full tensor (all heads, not only this rank's) is checked.
-        problems = scale_problem_records(
-            tensor_name, loaded_weight, num_heads=None if placement is None else placement.total
-        )
-        if not problems and placement is not None and placement.heads is None:
-            problems = [ScaleProblem(tensor_name, str(placement.problem))]
-        if problems:
-            corrupt.add(problems)  # reported, with every other bad tensor, after loading
-            return
-        values = loaded_weight.detach().float().reshape(-1).tolist()
-        value: float | tuple[float, ...]
-        if placement is None:
-            value = float(values[0])
-            served = value
-        else:
-            value = tuple(float(values[h]) for h in placement.heads or ())
-            served = max(value)
-        state.pending[kind] = value
-        with torch.no_grad():
-            param.data.fill_(served)
+def _recorder(state: _LayerState, kind: str) -> Callable[[torch.Tensor, tuple[float, ...]], None]:
+    """Where a scale loader puts what it read: the layer's record of the current cycle
+    (one value per-tensor, this rank's heads per-head). The served tensors change only
+    when the cycle is processed (``process_weights_after_loading``)."""
 
-    return load_kv_scale
+    def record(_param: torch.Tensor, values: tuple[float, ...]) -> None:
+        state.pending[kind] = values if state.placement is not None else values[0]
 
-
-def _zero_point_loader(tensor_name: str) -> Callable[..., None]:
-    def load_kv_zero_point(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
-        check_zero_point(tensor_name, loaded_weight)
-
-    return load_kv_zero_point
+    return record
 
 
 def _requested_kv_cache_dtype() -> str | None:

@@ -34,6 +34,12 @@ SGLang moves code. Each patch is one entry of ``PATCHES``; the gaps they close:
    them; the patch attaches the kvscale KV method after ``__init__`` (and keeps Qwen3's
    fused CPU scale copies equal to the served scales). A SGLang that passes
    ``quant_config`` itself is left alone.
+7. ``sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.
+   update_weights_from_disk`` (AROUND): SGLang answers "Succeeded to update model
+   weights." whatever a quant method found, and has no hook after a weight update; a
+   reload whose KV scales kvscale refused (every layer kept its scales:
+   ``loadcycle.decide``) is answered ``(False, <every bad tensor, as on disk>)`` instead,
+   once SGLang has finished it.
 
 A moved target fails loudly. SGLang's ``HookRegistry.apply_hooks`` only logs a target
 it cannot resolve and carries on, which would serve with stock behaviour (dropped or
@@ -67,6 +73,7 @@ from kvscale_plugin._log import logger
 from kvscale_plugin.hosts._common import warn_unmapped_scales
 from kvscale_plugin.hosts.sglang import TESTED_SGLANG_VERSIONS
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
+from kvscale_plugin.loadcycle import refused_reload_message
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
@@ -291,6 +298,26 @@ def _hook_model_architecture(
         model_config.quantization = QUANTIZATION_METHOD
 
 
+def _hook_update_weights_from_disk(
+    original: Callable[..., Any], updater: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``WeightUpdater.update_weights_from_disk``: a reload kvscale refused answers
+    ``(False, message)`` once SGLang has finished it (the layers kept their scales)."""
+    get_model = getattr(updater, "get_model", None)
+    cfg = getattr(get_model() if callable(get_model) else None, "quant_config", None)
+    if not isinstance(cfg, KVScaleConfig):
+        return original(updater, *args, **kwargs)
+    cfg.caller_reports_refusal = True
+    try:
+        result = original(updater, *args, **kwargs)
+    finally:
+        cfg.caller_reports_refusal = False
+    refused = cfg.take_refusal()
+    if refused and isinstance(result, tuple) and result and result[0]:
+        return False, refused_reload_message(refused, "SGLang")
+    return result
+
+
 # Attention modules of SGLang 0.5.23 that build RadixAttention without quant_config,
 # so compressed-tensors KV scales are silently dropped for them.
 ATTENTION_WITHOUT_QUANT_CONFIG = (
@@ -405,6 +432,17 @@ PATCHES: tuple[Patch, ...] = (
             params=("quant_config", "prefix"),
         )
         for path in ATTENTION_WITHOUT_QUANT_CONFIG
+    ),
+    Patch(
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+        "WeightUpdater.update_weights_from_disk",
+        _hook_update_weights_from_disk,
+        HookType.AROUND,
+        "answers a weight update from disk whose KV scales kvscale refused with failure "
+        "and the bad tensors (without it, SGLang reports success and the refusal is only "
+        "logged)",
+        params=("model_path", "load_format"),
+        leading=True,
     ),
 )
 

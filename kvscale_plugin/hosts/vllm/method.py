@@ -1,8 +1,9 @@
 """vLLM classes for ``--quantization kvscale`` (imported only by ``hosts.vllm.register``).
 
 Thin translation from vLLM's quantization API to the host-independent core:
-``scheme.judge_kv_cache_scheme`` decides, ``names.map_scale_name`` maps,
-``scales.resolve_kv_scales`` resolves. Nothing here decides policy.
+``scheme.judge_kv_cache_scheme`` judges the scheme, ``names.map_scale_name`` maps,
+``loadcycle`` reads each loaded tensor and decides what a load or reload serves (the same
+rule as SGLang's adapter). Nothing here decides policy.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import functools
 import re
 import uuid
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,11 +35,13 @@ from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import (
     LoadCycle,
     announce_verdict,
-    check_zero_point,
     claims_checkpoint,
     no_checkpoint_config_error,
+    scale_loader,
     warn_missing_scales,
     warn_unmapped_scales,
+    warn_unused_corrupt,
+    zero_point_loader,
 )
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import (
@@ -52,9 +54,15 @@ from kvscale_plugin.hosts.vllm.layers import (
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
-from kvscale_plugin.hosts.vllm.served import HeadLayout, write_scales
+from kvscale_plugin.hosts.vllm.served import head_layout, write_scales
 from kvscale_plugin.hosts.vllm.shared import finish_load_cycle, serve_target_scales, sharing_target
-from kvscale_plugin.loadcycle import computes_own_scales, dynamic_scales_notice
+from kvscale_plugin.loadcycle import (
+    ZERO_POINT_NAMES,
+    Action,
+    computes_own_scales,
+    decide,
+    dynamic_scales_notice,
+)
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
@@ -66,18 +74,12 @@ from kvscale_plugin.scales import (
     CorruptScaleError,
     CorruptScales,
     ResolvedScales,
-    ScaleSource,
-    per_head_shape_ok,
-    resolve_kv_scales,
-    scale_problem_records,
-    unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
 from kvscale_plugin.sharing import SHARED_SOURCE
 
 _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 _KV = ("k_scale", "v_scale")
-_ZERO_POINT_NAMES = ("q_zero_point", "k_zero_point", "v_zero_point")
 
 
 _UNMAPPED_PREFIX = "__kvscale_unmapped__."
@@ -295,7 +297,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         corrupt, corrupt_q = layer_records(layer)
         corrupt.forget_under(layer_name)
         corrupt_q.forget_under(layer_name)
-        heads = HeadLayout.for_layer(cfg, layer) if cfg.kv_verdict.per_head else None
+        heads = head_layout(cfg, layer) if cfg.kv_verdict.per_head else None
         layer.kvscale_heads = heads.local if heads is not None else None
         for name in _SCALE_NAMES:
             per_head = heads is not None and name != "prob_scale"
@@ -305,18 +307,20 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 torch.full((heads.local,) if per_head else (), SENTINEL, dtype=torch.float32),
                 requires_grad=False,
             )
-            param.weight_loader = _scale_loader(
+            tensor_name = f"{layer_name}.{name}"
+            param.weight_loader = scale_loader(
                 corrupt_q if name == "q_scale" else corrupt,
-                f"{layer_name}.{name}",
+                lambda tensor_name=tensor_name: tensor_name,
                 heads if per_head else None,
+                _store_loaded,
                 is_query=name == "q_scale",
             )
             # A dummy load must leave the placeholder, not tiny random "scales".
             param.dummy_weight_value = SENTINEL
             setattr(layer, name, param)
-        for name in _ZERO_POINT_NAMES:
+        for name in ZERO_POINT_NAMES:
             param = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-            param.weight_loader = _zero_point_loader(f"{layer_name}.{name}")
+            param.weight_loader = zero_point_loader(f"{layer_name}.{name}")
             param.dummy_weight_value = 0.0
             setattr(layer, name, param)
 
@@ -360,25 +364,35 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 corrupt.update(corrupt_q)  # refused with k/v below
             else:
                 warn_unread_q_scales(cfg, corrupt_q)
-        if applies and corrupt:
-            if reload:
-                # An in-place reload: raising here would leave vLLM's reload half done
-                # (the layerwise loop stops with later layers unprocessed). Every layer
-                # keeps the scales it had; the worker's reload entry point refuses the
-                # reload once vLLM has finished (``reload.refuse_corrupt_reload``).
-                layer.kvscale_refused = True
-                self._drop_placeholders(layer)
-                return
-            raise CorruptScaleError(cfg.on_disk(corrupt).message())
-
         fnuz = current_platform.is_fp8_fnuz()
+        # The one rule for both hosts (loadcycle.decide).
+        outcome = decide(
+            serves=applies,
+            reload=reload,
+            corrupt=bool(corrupt),
+            k=loaded["k_scale"],
+            v=loaded["v_scale"],
+            fnuz=fnuz,
+        )
+        if outcome.action is Action.REFUSE:
+            raise CorruptScaleError(cfg.on_disk(corrupt).message())
+        if outcome.unused_corrupt:
+            warn_unused_corrupt(cfg.on_disk(corrupt), cfg.warn_scope)
+        if outcome.action is Action.KEEP:
+            # A reload refused for corrupt scales, or one that carried none for this layer:
+            # the layer keeps the scales it had. Never raises here: that would leave vLLM's
+            # layerwise reload half done (later layers unprocessed); the worker's reload
+            # entry point refuses the reload once vLLM has finished, or says once that it
+            # carried no scales (``reload.check_reload``).
+            layer.kvscale_refused = outcome.refused
+            layer.kvscale_reloaded = not outcome.carried_none
+            self._drop_placeholders(layer)
+            return
+
+        resolved = outcome.resolved
+        assert resolved is not None
         if applies:
-            resolved = resolve_kv_scales(loaded["k_scale"], loaded["v_scale"], fnuz=fnuz)
-            if (
-                resolved.source is ScaleSource.DEFAULT
-                and cfg.kv_verdict.declared
-                and not _is_dummy_load()
-            ):
+            if outcome.missing and cfg.kv_verdict.declared and not _is_dummy_load():
                 _warn_missing_scales(cfg, draft=getattr(layer, "kvscale_draft", False))
             # As stock vLLM: a q scale only when the checkpoint has one, else 1.0.
             factor = 2.0 if fnuz else 1.0
@@ -394,7 +408,6 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                     "its heads (nothing clips).",
                 )
         else:
-            resolved = unscaled()
             q_heads = (1.0,)
             prob = 1.0
 
@@ -430,45 +443,15 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         reload (``VLLM_RELOAD_MODE=direct``) loads the checkpoint into them again."""
         if _keeps_placeholders():
             return
-        for name in (*_SCALE_NAMES, *_ZERO_POINT_NAMES):
+        for name in (*_SCALE_NAMES, *ZERO_POINT_NAMES):
             if hasattr(layer, name):
                 delattr(layer, name)
 
 
-# Loaders are plain functions (not functools.partial): vLLM's in-place reload
-# wraps them and reads their __name__; its replay binds the first argument "param".
-def _scale_loader(
-    corrupt: CorruptScales,
-    tensor_name: str,
-    heads: HeadLayout | None = None,
-    *,
-    is_query: bool = False,
-) -> Callable[..., None]:
-    def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        corrupt.forget(tensor_name)
-        expected = None
-        if heads is not None:
-            expected = heads.total_kv
-            if is_query and not per_head_shape_ok(tuple(loaded_weight.shape), heads.total_kv):
-                expected = heads.total_q  # llm-compressor: one q scale per query head
-        problems = scale_problem_records(tensor_name, loaded_weight, num_heads=expected)
-        if problems:
-            corrupt.add(problems)  # reported, with every other bad tensor, after loading
-            return
-        values = loaded_weight.detach().float().reshape(-1)
-        if heads is not None:
-            values = heads.take(values, is_query=is_query)
-        param.data.copy_(values.reshape(param.shape).to(param.device, param.dtype))
-        param.kvscale_loaded = True
-
-    return load_kv_scale
-
-
-def _zero_point_loader(tensor_name: str) -> Callable[..., None]:
-    def load_kv_zero_point(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        check_zero_point(tensor_name, loaded_weight)
-
-    return load_kv_zero_point
+def _store_loaded(param: torch.Tensor, values: tuple[float, ...]) -> None:
+    """What a scale loader read goes into the layer's placeholder (fresh each cycle)."""
+    param.data.copy_(torch.tensor(values, dtype=torch.float32).reshape(param.shape))
+    param.kvscale_loaded = True
 
 
 def _pipeline_parallel() -> bool:

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvscale_plugin._log import warn_once
-from kvscale_plugin.hosts._common import shorten
+from kvscale_plugin._log import shorten, warn_once
+from kvscale_plugin.hosts._common import warn_reload_without_scales, warn_unused_corrupt
 from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import (
     is_kvscale_layer,
@@ -44,6 +44,7 @@ from kvscale_plugin.hosts.vllm.layers import (
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
+from kvscale_plugin.loadcycle import refused_reload_message
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
 if TYPE_CHECKING:
@@ -84,16 +85,6 @@ def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
         cfg.mtp_scales_seen.clear()
 
 
-def _refusal(corrupt: CorruptScales) -> CorruptScaleError:
-    return CorruptScaleError(
-        corrupt.message()
-        + "\nThe reload's KV scales are refused: every attention layer keeps the KV scales "
-        "it had. The reload's other weights are in place (vLLM loads them layer by layer, "
-        "before the scales can be checked): reload a checkpoint with valid KV scales "
-        "(check it with `kvscale inspect`) before relying on this engine's outputs."
-    )
-
-
 def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
     """After vLLM finished a reload of the target model (``draft=False``) or of the MTP
     draft: raise ``CorruptScaleError`` when any of its layers refused a scale; else report
@@ -103,14 +94,18 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
     # another layer's cache) without its KV method: it follows its target here.
     resync_sharing_layers(reloaded)
     try:
-        corrupt = CorruptScales()
+        corrupt, unused = CorruptScales(), CorruptScales()
         for layer in reloaded:
-            if _uses_checkpoint_scales(layer):
-                cfg = kvscale_config(layer)
-                assert cfg is not None
-                corrupt.update(cfg.on_disk(layer_records(layer)[0]))
+            cfg = kvscale_config(layer)
+            if cfg is not None and sharing_target(layer) is None:
+                served = _uses_checkpoint_scales(layer)
+                (corrupt if served else unused).update(cfg.on_disk(layer_records(layer)[0]))
+        if unused:
+            # The cache does not use them (bf16): nothing served changed (loadcycle.decide).
+            cfg = kvscale_config(reloaded[0])
+            warn_unused_corrupt(unused, cfg.warn_scope if cfg is not None else "")
         if corrupt:
-            raise _refusal(corrupt)
+            raise CorruptScaleError(refused_reload_message(corrupt, "vLLM"))
         silent = [
             layer
             for layer in reloaded
@@ -122,13 +117,8 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
         if silent:
             cfg = kvscale_config(silent[0])
             assert cfg is not None
-            warn_once(
-                f"{cfg.warn_scope}reload-without-scales",
-                "kvscale: the reloaded weights carry no k_scale/v_scale tensors for %s, "
-                "although the checkpoint declares a kv_cache_scheme; those layers keep the "
-                "scales they had (1.0 after a dummy start). Reload a checkpoint with "
-                "calibrated KV scales (kvscale calibrate), or serve with a bf16 KV cache.",
-                shorten(getattr(layer, "layer_name", "?") for layer in silent),
+            warn_reload_without_scales(
+                (getattr(layer, "layer_name", "?") for layer in silent), cfg.warn_scope
             )
         if not draft:
             _warn_draft_not_reloaded(layers)

@@ -1,5 +1,5 @@
 """How a kvscale attention layer holds its served scales in vLLM: which checkpoint heads
-a tensor-parallel rank keeps (``HeadLayout``) and the in-place update of the tensors
+a tensor-parallel rank keeps (``head_layout``) and the in-place update of the tensors
 vLLM's kernels read (``write_scales``). Used by ``method`` (start-up loads and reloads)."""
 
 from __future__ import annotations
@@ -8,47 +8,32 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvscale_plugin.scales import ResolvedScales, rank_kv_heads
+from kvscale_plugin.heads import HeadLayout
+from kvscale_plugin.scales import ResolvedScales
 
 if TYPE_CHECKING:
     from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 
 
-class HeadLayout:
-    """Which of a layer's checkpoint heads this tensor-parallel rank holds.
+def head_layout(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout:
+    """Which checkpoint KV heads this tensor-parallel rank serves for ``layer`` (per-head
+    schemes), by the rule stock vLLM partitions KV heads with; raises where they cannot be
+    placed (the model could not be built with a per-head scheme)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
 
-    The same rule as stock vLLM: KV heads are partitioned over ranks when there are
-    at least as many as ranks, and replicated (one per rank) below that.
-    """
-
-    def __init__(self, total_kv: int, total_q: int, local: int, rank: int, size: int) -> None:
-        self.total_kv, self.total_q, self.local = total_kv, total_q, local
-        heads = rank_kv_heads(total_kv, rank, size)
-        if len(heads) != local:
-            raise ValueError(
-                f"kvscale: cannot place {total_kv} KV heads on {size} tensor-parallel "
-                f"ranks holding {local} head(s) each"
-            )
-        self.start = heads[0]
-
-    @classmethod
-    def for_layer(cls, cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout:
-        from vllm.distributed import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        local = int(layer.num_kv_heads)
-        size = get_tensor_model_parallel_world_size()
-        total_kv = cfg.total_num_kv_heads or local * size
-        total_q = cfg.total_num_heads or int(layer.num_heads) * size
-        return cls(total_kv, total_q, local, get_tensor_model_parallel_rank(), size)
-
-    def take(self, values: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-        """This rank's KV heads of a flattened per-head vector (q: reduced by max per group)."""
-        if is_query and values.numel() == self.total_q != self.total_kv:
-            values = values.reshape(self.total_kv, -1).amax(dim=1)
-        return values[self.start : self.start + self.local]
+    local = int(layer.num_kv_heads)
+    size = get_tensor_model_parallel_world_size()
+    total_kv = cfg.total_num_kv_heads or local * size
+    total_q = cfg.total_num_heads or int(layer.num_heads) * size
+    layout = HeadLayout.place(
+        total_kv, local, [(get_tensor_model_parallel_rank(), size)], total_q=total_q
+    )
+    if layout.problem is not None:
+        raise ValueError(f"kvscale: {layout.problem}")
+    return layout
 
 
 def write_scales(

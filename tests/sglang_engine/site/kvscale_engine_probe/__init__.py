@@ -7,7 +7,9 @@ an attention layer's attributes to the caller. This plugin is discovered there l
 ``KVSCALE_ENGINE_PROBE`` names a JSON file. Then it adds three ``HookRegistry`` AFTER hooks
 on ``ModelRunner``: after ``load_model`` it writes every ``RadixAttention``'s KV scales,
 KV method and kvscale's record of the checkpoint values; after ``initialize`` it adds
-the KV cache dtype SGLang resolved, after ``init_attention_backends`` the backend. Each
+the KV cache dtype SGLang resolved, after ``init_attention_backends`` the backend. Two more
+on the model runner's ``WeightUpdater`` append the same layer report to ``updates`` after
+each ``update_weights_from_disk`` and each ``end_weight_update`` (a session's end). Each
 write replaces the file whole, so a reader never sees half of one; the first part
 survives a start-up that fails after the model loaded (e.g. SGLang refusing the pool).
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 ENV = "KVSCALE_ENGINE_PROBE"
 _RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 
 
 def register() -> None:
@@ -33,6 +36,8 @@ def register() -> None:
     HookRegistry.register(
         f"{_RUNNER}.init_attention_backends", _after_attention_backends, HookType.AFTER
     )
+    for method in ("update_weights_from_disk", "end_weight_update"):
+        HookRegistry.register(f"{_UPDATER}.{method}", _after_update(method), HookType.AFTER)
 
 
 def _write(update: dict[str, Any]) -> None:
@@ -57,12 +62,11 @@ def _number(value: Any) -> Any:
     return float(value)
 
 
-def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    from sglang.srt.layers import quantization
+def _layers(model: Any) -> dict[str, Any]:
     from sglang.srt.layers.radix_attention import RadixAttention
 
     layers = {}
-    for name, layer in runner.model.named_modules():
+    for name, layer in model.named_modules():
         if not isinstance(layer, RadixAttention):
             continue
         state = getattr(layer, "kvscale_state", None)
@@ -77,15 +81,34 @@ def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> No
             "kvscale_source": getattr(layer, "kvscale_source", None),
             "kvscale_raw": None if raw is None else {k: _number(v) for k, v in raw.items()},
         }
+    return layers
+
+
+def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    from sglang.srt.layers import quantization
+
     quant_config = getattr(runner.model, "quant_config", None)
     _write(
         {
             "pid": os.getpid(),
             "quant_config": None if quant_config is None else type(quant_config).__name__,
             "kvscale_registered": "kvscale" in quantization.QUANTIZATION_METHODS,
-            "layers": layers,
+            "layers": _layers(runner.model),
         }
     )
+
+
+def _after_update(method: str) -> Any:
+    def after(result: Any, updater: Any, *args: Any, **kwargs: Any) -> None:
+        with open(os.environ[ENV]) as f:
+            updates = json.load(f).get("updates", [])
+        entry = {"method": method, "layers": _layers(updater.get_model())}
+        if isinstance(result, tuple):
+            entry["result"] = [_number(x) if not isinstance(x, str) else x for x in result]
+        _write({"updates": [*updates, entry]})
+
+    after.__qualname__ = f"kvscale_engine_probe_after[{method}]"
+    return after
 
 
 def _after_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
