@@ -64,13 +64,11 @@ def installed_platform(host: str) -> str | None:
 
 
 def _tested(host: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from kvscale_plugin import releases
+
     if host == "vllm":
-        from kvscale_plugin.hosts.vllm.internals import RUN_TESTED, STATIC_TESTED
-
-        return RUN_TESTED, STATIC_TESTED
-    from kvscale_plugin.hosts.sglang import STATIC_SGLANG_VERSIONS, TESTED_SGLANG_VERSIONS
-
-    return TESTED_SGLANG_VERSIONS, STATIC_SGLANG_VERSIONS
+        return releases.VLLM_RUN, releases.VLLM_STATIC
+    return releases.SGLANG_RUN, releases.SGLANG_STATIC
 
 
 def parse_host(spec: str) -> HostRelease:

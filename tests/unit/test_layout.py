@@ -1,6 +1,8 @@
 """The package's shape, read from its source: no import circle among its modules (lazy
-imports inside functions count; ``if TYPE_CHECKING:`` imports do not), no module over
-550 lines, and a core that imports no host engine."""
+imports inside functions, ``if TYPE_CHECKING:`` imports and modules named in a string --
+an ``importlib`` or ``pkgutil.resolve_name`` lookup -- all count: a circle broken by any
+of them is still a circle), no module over 550 lines, and a core that imports no host
+engine."""
 
 from __future__ import annotations
 
@@ -27,22 +29,23 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, modules: Iterable[str] = ()) -> set[str]:
-    """Every module ``path`` imports (absolute names), outside ``if TYPE_CHECKING:``.
+    """Every module ``path`` imports (absolute names), wherever the import is, and every
+    one of ``modules`` a string constant names (``"pkg.mod"`` or ``"pkg.mod:attr"``).
 
     ``from pkg import mod`` names ``pkg.mod`` when that is one of ``modules`` (importing
     a submodule runs its package's ``__init__`` anyway: not an edge of its own), else
     ``pkg``."""
     modules = set(modules)
     tree = ast.parse(path.read_text())
-    typing_only: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     names: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            named = node.value.split(":")[0] if node.value.startswith("kvscale_plugin.") else ""
+            while named and named not in modules:
+                named = named.rpartition(".")[0]
+            if named:
+                names.add(named)
+        elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
@@ -103,16 +106,25 @@ def test_the_circle_finder_finds_one() -> None:
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
-def test_lazy_imports_count_and_type_checking_imports_do_not(tmp_path: Path) -> None:
+def test_lazy_type_checking_and_string_imports_all_count(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(
+        "import importlib\n"
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from kvscale_plugin.hosts.vllm.method import KVScaleConfig\n"
         "def f():\n    from kvscale_plugin.hosts.vllm import reload\n"
+        "def g():\n    return importlib.import_module('kvscale_plugin.hosts.vllm.mtp')\n"
+        "H = 'kvscale_plugin.hosts.vllm.backend:CustomBackend'\n"
+        "NOT_A_MODULE = 'kvscale_plugin: a message'\n"
     )
     names = _imports(module, _modules())
-    assert "kvscale_plugin.hosts.vllm.reload" in names
-    assert "kvscale_plugin.hosts.vllm.method" not in names
+    assert {
+        "kvscale_plugin.hosts.vllm.reload",
+        "kvscale_plugin.hosts.vllm.method",
+        "kvscale_plugin.hosts.vllm.mtp",
+        "kvscale_plugin.hosts.vllm.backend",
+    } <= names
+    assert not any(n.startswith("kvscale_plugin:") for n in names)
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

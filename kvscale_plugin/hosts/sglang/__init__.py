@@ -22,11 +22,11 @@ import threading
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
+from kvscale_plugin.releases import SGLANG_RUN, SGLANG_STATIC
 
-#: SGLang releases this adapter is tested against: the full suite runs on these ...
-TESTED_SGLANG_VERSIONS = ("0.5.23",)
-#: ... and every patch target is checked in these releases' sources (tests/sglang_host).
-STATIC_SGLANG_VERSIONS = ("0.5.21", "0.5.22")
+#: SGLang releases this adapter is tested against (``kvscale_plugin.releases``): the full
+#: suite runs on the first, every patch target is checked in the others' sources.
+TESTED_SGLANG_VERSIONS, STATIC_SGLANG_VERSIONS = SGLANG_RUN, SGLANG_STATIC
 
 _registered = False
 _lock = threading.Lock()

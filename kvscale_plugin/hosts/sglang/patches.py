@@ -71,7 +71,6 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_pl
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
 from kvscale_plugin.hosts._common import warn_unmapped_scales
-from kvscale_plugin.hosts.sglang import TESTED_SGLANG_VERSIONS
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
 from kvscale_plugin.loadcycle import refused_reload_message
 from kvscale_plugin.names import (
@@ -80,6 +79,7 @@ from kvscale_plugin.names import (
     mtp_layer_ordinal,
     names_attention_layer,
 )
+from kvscale_plugin.releases import SGLANG_RUN
 
 #: The SGLang release these patches were written against (and tested with).
 WRITTEN_AGAINST = "0.5.23"
@@ -512,7 +512,7 @@ def moved_targets_error(problems: Iterable[tuple[Patch, str]]) -> RuntimeError:
     lines.append(
         "SGLang's HookRegistry would only log this and serve with stock behaviour "
         f"(KV scales dropped or unmapped). Install a tested SGLang "
-        f"({', '.join(TESTED_SGLANG_VERSIONS)}), "
+        f"({', '.join(SGLANG_RUN)}), "
         f"or a kvscale-plugin release for SGLang {found}."
     )
     return RuntimeError("\n".join(lines))

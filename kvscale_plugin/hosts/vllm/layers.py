@@ -1,23 +1,44 @@
 """What vLLM-side modules need to know about kvscale's attention layers, without
 importing the Config / Method module (``method.py``): the host's name, the warn-once
-scope of MTP drafts, and the marker that tells a kvscale layer apart.
+scope of MTP drafts, the marker that tells a kvscale layer apart, and what its config
+offers them (``EngineConfig``).
 
-``mtp``, ``reload``, ``cpu_write`` and ``backend`` test layers through this marker, so
-``method`` depends on none of them being importable and none of them imports ``method``.
+``mtp``, ``reload``, ``served``, ``shared``, ``cpu_write`` and ``backend`` test layers
+through this marker and type their config as ``EngineConfig``, so none of them imports
+``method`` (not even for type checking): the package has no import circle.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
-    from kvscale_plugin.scales import CorruptScales
-    from kvscale_plugin.scheme import SchemeVerdict
+import torch
+
+from kvscale_plugin.scales import CorruptScales
+from kvscale_plugin.scheme import SchemeVerdict
 
 HOST = "vllm"
 #: "warn once" scope of an MTP draft's own warnings (beside its target model's).
 DRAFT_SCOPE = "mtp-draft:"
+
+
+class EngineConfig(Protocol):
+    """What the vLLM-side modules read of a kvscale engine's config (``method.KVScaleConfig``)."""
+
+    warn_scope: str
+    kv_verdict: SchemeVerdict
+    model_type: str | None
+    num_hidden_layers: int | None
+    total_num_kv_heads: int | None
+    total_num_heads: int | None
+    unmapped_scales: set[str]
+    mtp_scales_seen: set[str]
+
+    def on_disk(self, corrupt: CorruptScales) -> CorruptScales: ...
+
+    def attention_layers(self) -> list[torch.nn.Module]: ...
+
+    def attention_layer(self, name: str) -> torch.nn.Module | None: ...
 
 
 def is_kvscale_layer(layer: object) -> bool:
@@ -29,7 +50,7 @@ def is_kvscale_layer(layer: object) -> bool:
     return getattr(getattr(layer, "quant_method", None), "is_kvscale", False) is True
 
 
-def kvscale_config(layer: Any) -> KVScaleConfig | None:
+def kvscale_config(layer: Any) -> EngineConfig | None:
     """The kvscale config whose KV method serves ``layer``, or None for any other layer."""
     return layer.quant_method.quant_config if is_kvscale_layer(layer) else None
 
@@ -49,8 +70,6 @@ def kvscale_config(layer: Any) -> KVScaleConfig | None:
 def layer_records(layer: Any) -> tuple[CorruptScales, CorruptScales]:
     """The layer's corrupt-scale records (k/v, q), created once for the layer's lifetime
     (its weight loaders, re-created by every reload, all write into the same two)."""
-    from kvscale_plugin.scales import CorruptScales
-
     records = layer.__dict__.get("kvscale_corrupt")
     if records is None:
         layer.kvscale_corrupt = records = CorruptScales()

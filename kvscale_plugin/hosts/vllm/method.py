@@ -237,6 +237,10 @@ class KVScaleConfig(CompressedTensorsConfig):
         """The attention layers this config's KV method built in this process."""
         return list(self._attention_layers.values())
 
+    def attention_layer(self, name: str) -> torch.nn.Module | None:
+        """The attention layer called ``name`` this process built, if any."""
+        return self._attention_layers.get(name)
+
     def has_attention_layer_for(self, param_name: str) -> bool:
         """Whether a mapped ``<layer>.{k,v,q}_scale`` name targets an attention layer
         this process built."""

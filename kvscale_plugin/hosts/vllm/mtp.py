@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvscale_plugin.hosts._common import warn_unmapped_scales
 from kvscale_plugin.hosts.vllm.internals import replace
-from kvscale_plugin.hosts.vllm.layers import DRAFT_SCOPE, HOST, is_kvscale_layer, layer_records
+from kvscale_plugin.hosts.vllm.layers import (
+    DRAFT_SCOPE,
+    HOST,
+    EngineConfig,
+    is_kvscale_layer,
+    layer_records,
+)
 from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal
-
-if TYPE_CHECKING:
-    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -52,7 +55,7 @@ def _draft_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return sorted(layers, key=number)
 
 
-def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: KVScaleConfig) -> Any:
+def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: EngineConfig) -> Any:
     """Yield ``weights`` minus its KV-scale tensors; load each MTP layer's into the
     draft's attention layer for it, directly through kvscale's loaders.
 
@@ -93,7 +96,7 @@ _DRAFT_WRAPPED = "__kvscale_draft_routing__"
 
 
 def _route_later_loads(
-    model: torch.nn.Module, layers: list[torch.nn.Module], cfg: KVScaleConfig
+    model: torch.nn.Module, layers: list[torch.nn.Module], cfg: EngineConfig
 ) -> None:
     """Route every later ``load_weights`` call of this draft too: a weight-sync session
     aimed at the draft (``start_draft_weight_update``; the NCCL engine calls

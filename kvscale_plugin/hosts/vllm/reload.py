@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,6 +38,7 @@ from kvscale_plugin._log import shorten, warn_once
 from kvscale_plugin.hosts._common import warn_reload_without_scales, warn_unused_corrupt
 from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import (
+    EngineConfig,
     is_kvscale_layer,
     kvscale_config,
     layer_records,
@@ -46,9 +47,6 @@ from kvscale_plugin.hosts.vllm.layers import (
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
 from kvscale_plugin.loadcycle import refused_reload_message
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
-
-if TYPE_CHECKING:
-    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 
 
 def engine_layers(worker: Any) -> list[torch.nn.Module]:
@@ -64,7 +62,7 @@ def _uses_checkpoint_scales(layer: torch.nn.Module) -> bool:
     return cfg is not None and layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
 
 
-def _configs(layers: Iterable[torch.nn.Module]) -> list[KVScaleConfig]:
+def _configs(layers: Iterable[torch.nn.Module]) -> list[EngineConfig]:
     found = {}
     for layer in layers:
         cfg = kvscale_config(layer)

@@ -4,18 +4,14 @@ vLLM's kernels read (``write_scales``). Used by ``method`` (start-up loads and r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvscale_plugin.heads import HeadLayout
+from kvscale_plugin.hosts.vllm.layers import EngineConfig
 from kvscale_plugin.scales import ResolvedScales
 
-if TYPE_CHECKING:
-    from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 
-
-def head_layout(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout:
+def head_layout(cfg: EngineConfig, layer: torch.nn.Module) -> HeadLayout:
     """Which checkpoint KV heads this tensor-parallel rank serves for ``layer`` (per-head
     schemes), by the rule stock vLLM partitions KV heads with; raises where they cannot be
     placed (the model could not be built with a per-head scheme)."""

@@ -13,12 +13,10 @@ its target's scales change.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvscale_plugin._log import warn_once
-from kvscale_plugin.hosts.vllm.layers import layer_records
+from kvscale_plugin.hosts.vllm.layers import EngineConfig, layer_records
 from kvscale_plugin.hosts.vllm.served import write_kv_scales
 from kvscale_plugin.scales import ResolvedScales, unscaled
 from kvscale_plugin.sharing import SharedLayers
@@ -31,7 +29,7 @@ def sharing_target(layer: torch.nn.Module) -> str | None:
 
 
 def serve_target_scales(
-    cfg: Any,
+    cfg: EngineConfig,
     layer: torch.nn.Module,
     name: str,
     own: tuple[tuple[float, ...] | None, tuple[float, ...] | None],
@@ -41,7 +39,7 @@ def serve_target_scales(
     shipped under the layer's own name. Returns what it serves."""
     target = sharing_target(layer)
     assert target is not None
-    held = cfg._attention_layers.get(target)
+    held = cfg.attention_layer(target)
     resolved = getattr(held, "kvscale_resolved", None) or unscaled()
     write_kv_scales(layer, resolved)
     notes = shared_notes(cfg)
@@ -63,7 +61,7 @@ def resync_sharing_layers(layers: list[torch.nn.Module]) -> None:
             write_kv_scales(layer, resolved)
 
 
-def finish_load_cycle(cfg: Any) -> None:
+def finish_load_cycle(cfg: EngineConfig) -> None:
     """At the end of a load cycle: every sharing layer re-synced with its target, then the
     notes, once per engine and cause."""
     resync_sharing_layers(cfg.attention_layers())
@@ -71,7 +69,7 @@ def finish_load_cycle(cfg: Any) -> None:
         warn_once(f"{cfg.warn_scope}shared-kv-{i}", message)
 
 
-def shared_notes(cfg: Any) -> SharedLayers:
+def shared_notes(cfg: EngineConfig) -> SharedLayers:
     notes = cfg.__dict__.get("kvscale_shared")
     if notes is None:
         notes = cfg.kvscale_shared = SharedLayers()
