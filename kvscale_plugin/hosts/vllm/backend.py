@@ -1,8 +1,9 @@
 """vLLM attention backend whose FP8 KV-cache write is kvscale's fused kernel.
 
 Select it with ``--attention-backend CUSTOM`` (``vllm.LLM(...,
-attention_backend="CUSTOM")``) after ``register_backend()`` has run
-(the plugin's ``vllm.general_plugins`` entry point does it in every process).
+attention_backend="CUSTOM")``): ``register_backend()`` runs in every process that builds a
+kvscale engine (the ``custom-backend`` feature, ``activation``); a stock engine never
+has it.
 It is vLLM's Triton attention backend in every respect but one: for a layer
 whose KV method is kvscale's and whose cache is FP8 e4m3, the cache write
 (``do_kv_cache_update``) goes through ``kvscale_plugin.kernels.triton_fp8_write``,

@@ -3,7 +3,7 @@
 vLLM 0.32's CPU attention writes an FP8 cache with ``cpu_attn_reshape_and_cache``,
 which rounds toward zero (and turns NaN into 448, -0 into +0); every CUDA path
 rounds to nearest even. For attention layers served by kvscale with an FP8 e4m3
-cache, ``install()`` routes the CPU backend's cache-update step,
+cache, ``serve_layer`` routes the CPU backend's cache-update step,
 ``CPUAttentionBackendImpl.do_kv_cache_update``, to
 ``kvscale_plugin.kernels.cpu_cache_write``, which stores exactly
 ``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)`` at the bytes vLLM's CPU

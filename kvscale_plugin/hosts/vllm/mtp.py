@@ -1,5 +1,6 @@
 """MTP (speculative-decoding draft) layers: their checkpoint KV scales reach the draft's
-attention layers (the ``mtp-drafts`` feature, installed by ``hosts.vllm.register``).
+attention layers (the ``mtp-drafts`` feature: installed by a kvscale engine's config once
+its model declares MTP layers, ``ensure_draft_routing``).
 
 vLLM 0.32 builds an MTP draft as its own model (``*_mtp`` model type) from the same
 checkpoint, and its drafts route checkpoint names on their own: MiMo's never applies a
