@@ -31,6 +31,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ class Checkpoint:
     tensors_per_file: dict[Path, int] = field(default_factory=dict)
     #: Per file: the library's handle (``safe_open``), kept from validation for reads.
     handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+    #: Called with each tensor before its bytes are read (a Hub mirror fetches them then).
+    before_read: Callable[[TensorInfo], None] | None = field(default=None, repr=False)
 
     def close(self) -> None:
         """Release the files' handles (dropping the ``Checkpoint`` does it too)."""
@@ -132,6 +135,8 @@ class Checkpoint:
                 f"{info.file}: tensor '{info.name}' has {info.numel} elements; only small "
                 f"tensors (<= {MAX_DECODE_ELEMENTS}) are decoded."
             )
+        if self.before_read is not None:
+            self.before_read(info)
         try:
             handle = self.handles.get(info.file)
             if handle is None:
@@ -326,8 +331,11 @@ def _checkpoint_files(root: Path) -> tuple[list[Path], bool, dict[str, str] | No
     )
 
 
-def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
-    """Read ``config.json`` and every safetensors header of ``model_dir`` (no weight bytes)."""
+def open_checkpoint(
+    model_dir: str | os.PathLike[str], before_read: Callable[[TensorInfo], None] | None = None
+) -> Checkpoint:
+    """Read ``config.json`` and every safetensors header of ``model_dir`` (no weight bytes);
+    ``before_read``: see ``Checkpoint.before_read``."""
     root = Path(model_dir)
     if not root.exists():
         raise CheckpointError(f"{root}: no such directory.")
@@ -367,4 +375,5 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         bytes_read=bytes_read,
         tensors_per_file=per_file,
         handles=handles,
+        before_read=before_read,
     )

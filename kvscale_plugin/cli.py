@@ -73,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--host) would do compared to kvscale. Exit status: "
         "0 fine, 1 problems that change what is served, 2 unusable input.",
     )
-    inspect.add_argument("model_dir", help="checkpoint directory (config.json + *.safetensors)")
+    inspect.add_argument(
+        "model_dir",
+        help="checkpoint directory (config.json + *.safetensors), or a Hub checkpoint "
+        "ORG/NAME[@REVISION] / hf://ORG/NAME (headers and scale bytes only are fetched)",
+    )
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument(
         "--host",

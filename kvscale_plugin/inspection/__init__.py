@@ -58,9 +58,19 @@ def __getattr__(name: str) -> Any:
 
 
 def run_inspect(model_dir: str, as_json: bool = False, host: str = "vllm") -> int:
-    """The ``kvscale inspect`` command: print the report, return the exit status (0, 1, 2)."""
+    """The ``kvscale inspect`` command: print the report, return the exit status (0, 1, 2).
+
+    ``model_dir`` may name a Hub checkpoint (``ORG/NAME[@REV]``, ``hf://ORG/NAME``) when no
+    such local path exists (``inspection.hub``): the same report, plus what was fetched."""
+    from kvscale_plugin.inspection.hub import inspect_hub, parse_hub_spec
+
+    source = None
     try:
-        report = inspect_checkpoint(model_dir, host=host)
+        spec = parse_hub_spec(model_dir)
+        if spec is None:
+            report = inspect_checkpoint(model_dir, host=host)
+        else:
+            report, source = inspect_hub(spec, host=host)
     except CheckpointError as exc:
         print(f"kvscale inspect: error: {exc}", file=sys.stderr)
         if as_json:
@@ -71,7 +81,8 @@ def run_inspect(model_dir: str, as_json: bool = False, host: str = "vllm") -> in
     if as_json:
         from kvscale_plugin.inspection.schema import report_to_json
 
-        print(json.dumps(report_to_json(report), indent=2))
+        hub = None if source is None else source.to_json()
+        print(json.dumps(report_to_json(report, hub), indent=2))
     else:
-        sys.stdout.write(render_text(report))
+        sys.stdout.write(render_text(report) + ("" if source is None else source.describe()))
     return report.exit_status

@@ -11,12 +11,12 @@ the head counts of ``config.json``; kvscale's view holds every head (``k_heads``
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvscale_plugin.checkpoint import Checkpoint, open_checkpoint
+from kvscale_plugin.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from kvscale_plugin.inspection import config as cfg
 from kvscale_plugin.inspection.hostversion import parse_host
 from kvscale_plugin.inspection.problems import collect_problems
@@ -56,12 +56,17 @@ class _Model:
     q_heads: int | None
 
 
-def inspect_checkpoint(model_dir: str | Path, host: str = "vllm") -> InspectReport:
+def inspect_checkpoint(
+    model_dir: str | Path,
+    host: str = "vllm",
+    before_read: Callable[[TensorInfo], None] | None = None,
+) -> InspectReport:
     """Inspect ``model_dir`` for ``host`` (``vllm``, ``vllm==0.31.0``, ``sglang``, ...:
     the installed release unless one is named). Raises ``CheckpointError`` on unusable
-    input."""
+    input. ``before_read``: called with each tensor before it is decoded (``inspection.hub``
+    fetches its bytes then)."""
     release = parse_host(host)
-    with open_checkpoint(model_dir) as ckpt:
+    with open_checkpoint(model_dir, before_read=before_read) as ckpt:
         # Where kvscale refuses a corrupt q scale: where attention may read it (vLLM on a
         # GPU platform, or a release named without its platform); never on SGLang (no
         # q scale parameter) or vLLM's CPU build (its attention never reads one).

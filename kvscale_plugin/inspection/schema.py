@@ -5,14 +5,10 @@ The JSON schema generated from these models is the documentation; it is committe
 
     python -m kvscale_plugin.inspection.schema > kvscale_plugin/inspection/schema.json
 
-``schema_version`` 1: keys are only ever added. The per-head keys (``num_kv_heads``,
-``num_attention_heads``, ``scheme.per_head``, ``k_heads`` / ``v_heads``, the
-``heads`` / ``values`` of scales and tensors, a tensor problem's ``head``) were added
-without a version bump; readers of the earlier keys see the same values. So were the
-weight-scheme keys (``weights``; ``kv_cache_outcome`` / ``kv_cache_summary`` of ``stock``
-and ``kvscale``): without weight schemes the earlier keys keep their values; with them,
-``outcome`` is the engine's (``unverified`` or ``fails``, see ``weights``) and the
-KV-cache verdict it had is ``kv_cache_outcome``.
+``schema_version`` 1: keys are only ever added (``DESCRIPTION`` lists those added without
+a version bump; readers of the earlier keys see the same values). With weight schemes,
+``outcome`` is the engine's (``unverified`` or ``fails``, see ``weights``) and the KV-cache
+verdict it had is ``kv_cache_outcome``.
 """
 
 from __future__ import annotations
@@ -45,7 +41,8 @@ DESCRIPTION = (
     "status 2). schema_version 1: keys are only ever added; the per-head keys (num_kv_heads, "
     "num_attention_heads, scheme.per_head, k_heads / v_heads, heads / values of scales and "
     "tensors, a tensor problem's head) and the weight-scheme keys (weights, "
-    "stock / kvscale kv_cache_outcome and kv_cache_summary) were added without a version bump."
+    "stock / kvscale kv_cache_outcome and kv_cache_summary) were added without a version "
+    "bump, and so was hub (only for a Hub checkpoint, `kvscale inspect ORG/NAME`)."
 )
 
 
@@ -279,6 +276,30 @@ class Tensor(_Model):
     problems: list[TensorProblemEntry]
 
 
+class HubFile(_Model):
+    """Fetched of one file (size: as the Hub lists it): per safetensors file, at most 8 +
+    the header + the scale tensors' bytes."""
+
+    file: str
+    size: int | None
+    bytes: int
+    requests: int
+
+
+class HubFetch(_Model):
+    """Where a Hub checkpoint's report came from: the commit read and the HF_ENDPOINT (from
+    the local Hub cache: its snapshot and folder)."""
+
+    repo_id: str
+    revision: str | None
+    commit: str | None
+    endpoint: str
+    from_cache: bool
+    files: list[HubFile]
+    bytes: int
+    requests: int
+
+
 class InspectOutput(_Model):
     """``kvscale inspect --json`` on a readable checkpoint (exit status 0 or 1)."""
 
@@ -314,6 +335,7 @@ class InspectOutput(_Model):
     tensors: list[Tensor]
     exit_status: Literal[0, 1]
     """1: an error in problems (it changes what is served)."""
+    hub: HubFetch | None = None  # only for a Hub checkpoint
 
 
 class ErrorInfo(_Model):
@@ -494,9 +516,13 @@ def output_model(report: InspectReport) -> InspectOutput:
     )
 
 
-def report_to_json(report: InspectReport) -> dict[str, Any]:
-    """The report as the documented ``schema_version`` 1 JSON object."""
-    return output_model(report).model_dump(mode="json")
+def report_to_json(report: InspectReport, hub: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report as the documented ``schema_version`` 1 JSON object (``hub``: a Hub
+    checkpoint's ``HubFetch``; the key is absent for a local one)."""
+    out = output_model(report)
+    if hub is None:
+        return out.model_dump(mode="json", exclude={"hub"})
+    return out.model_copy(update={"hub": HubFetch.model_validate(hub)}).model_dump(mode="json")
 
 
 def error_to_json(model_dir: str, host: str, exc: Exception) -> dict[str, Any]:
