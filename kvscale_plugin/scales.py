@@ -237,14 +237,6 @@ class CorruptScales:
         return format_corrupt_scales(self.as_mapping())
 
 
-def scale_problem(value: torch.Tensor | float, *, num_heads: int | None = None) -> str | None:
-    """Why a loaded scale cannot be used (all reasons, joined), or None when it is valid."""
-    problems = scale_problems("", value, num_heads=num_heads)
-    if not problems:
-        return None
-    return "; ".join(f"{key}: {why}" if key else why for key, why in problems.items())
-
-
 def format_corrupt_scales(problems: Mapping[str, str]) -> str:
     """The error text for every corrupt scale tensor, one per line."""
     lines = "\n".join(f"  - {name}: {why}" for name, why in sorted(problems.items()))
@@ -255,17 +247,6 @@ def format_corrupt_scales(problems: Mapping[str, str]) -> str:
         "checkpoint (llm-compressor, or `kvscale calibrate`), fix or remove these tensors, "
         "or serve without an FP8 KV cache (--kv-cache-dtype bfloat16)."
     )
-
-
-def check_scales(
-    named_values: Iterable[tuple[str, torch.Tensor | float]], *, num_heads: int | None = None
-) -> None:
-    """Raise one ``CorruptScaleError`` naming every bad tensor (and head); else return."""
-    problems: dict[str, str] = {}
-    for name, value in named_values:
-        problems.update(scale_problems(name, value, num_heads=num_heads))
-    if problems:
-        raise CorruptScaleError(format_corrupt_scales(problems))
 
 
 def _as_tuple(value: Scale) -> tuple[float, ...]:

@@ -3,9 +3,11 @@
 * ``scheme.judge_kv_cache_scheme``: ``kv_cache_scheme`` values of every wrong type,
   unknown and missing fields, absurd numbers -> never raises; always a verdict that is
   "not declared", "supported" or "unsupported, with a reason".
-* ``scales.scale_problems`` / ``check_scales``: scale tensors of every dtype and shape
-  (0-d, [1], [2], [H, 1, 1], [H], empty, ...) holding 0 / -0.0 / negative / -1.0 / NaN /
-  +-inf / subnormal / huge values, per tensor and per head -> exactly the problems an
+* ``scales.scale_problems`` / ``check_scales`` (``kvscale_testing.scale_checks``: what a
+  load does with a cycle's tensors, through the product's own calls): scale tensors of
+  every dtype and shape (0-d, [1], [2], [H, 1, 1], [H], empty, ...) holding 0 / -0.0 /
+  negative / -1.0 / NaN / +-inf / subnormal / huge values, per tensor and per head ->
+  exactly the problems an
   independent oracle predicts, each keyed by the tensor (and head) name; ``check_scales``
   raises ``CorruptScaleError`` naming every bad tensor, or nothing.
 * ``scales.resolve_kv_scales``: k / v as None, floats, per-head sequences, tensors, with
@@ -27,15 +29,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvscale_testing.scale_checks import check_scales, scale_problem
 
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
     ResolvedScales,
     ScaleSource,
-    check_scales,
     resolve_kv_scales,
-    scale_problem,
     scale_problems,
 )
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme

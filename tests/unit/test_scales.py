@@ -4,13 +4,12 @@ import math
 
 import pytest
 import torch
+from kvscale_testing.scale_checks import check_scales, scale_problem
 
 from kvscale_plugin.scales import (
     CorruptScaleError,
     ScaleSource,
-    check_scales,
     resolve_kv_scales,
-    scale_problem,
     scale_problems,
 )
 
