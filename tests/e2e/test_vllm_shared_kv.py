@@ -7,14 +7,21 @@ were quantized with the target's scale, so 1.0 dequantizes them wrongly."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
 import pytest
+from _run_script import run_script
 from kvscale_testing.checkpoints import reference_token_ids
 from kvscale_testing.engines import reload_weights
 from kvscale_testing.shared_kv import SHARING, build_shared_kv_checkpoint, stored_scales
-from kvscale_testing.skips import needs_fp8_cpu_cache
+from kvscale_testing.skips import (
+    KV_DTYPE,
+    follows_cpu_fp8,
+    needs_avx512_cpu_for_tp,
+    needs_fp8_cpu_cache,
+)
 
 from kvscale_plugin.demo.probe import (
     layer_scales,
@@ -152,3 +159,25 @@ def test_per_head_scales_are_shared_per_head(ckpts):
         assert (mine.k_heads, mine.v_heads) == (theirs.k_heads, theirs.v_heads), layer
         assert (mine.k_float, mine.v_float) == (max(theirs.k_heads), max(theirs.v_heads))
         assert set(stock[layer][0]) == set(stock[layer][1]) == {1.0}, stock[layer]
+
+
+@follows_cpu_fp8
+@needs_avx512_cpu_for_tp
+def test_tensor_parallel_ranks_share_their_own_heads(ckpts, tmp_path):
+    """TP=2 on the per-head checkpoint (two KV heads: one per rank): on each rank every
+    sharing layer holds exactly what its target holds there -- that rank's head of the
+    target's per-head scales -- device values and floats. A bf16 cache (where vLLM's CPU
+    attention runs no FP8 one) serves 1.0 everywhere: the sharing rule still holds."""
+    ckpt = ckpts("per-head", per_head=True)
+    ids = list(reference_token_ids(ckpt))[:16]
+    args = (str(ckpt), json.dumps(ids), "2", "heads")
+    env = {"KVSCALE_TEST_KV_DTYPE": KV_DTYPE}
+    result = run_script("_multiproc_engine.py", *args, tmp_path=tmp_path, timeout=400, env=env)
+    assert len(result["scales"]) == 2  # one answer per TP rank
+    for rank, held in enumerate(result["scales"]):
+        target = held["model.layers.0.self_attn.attn"]
+        if KV_DTYPE == "auto":  # FP8: rank r holds head r of (0.5, 1.0) / (0.25, 0.5)
+            assert (target[0], target[1]) == ([(0.5, 1.0)[rank]], [(0.25, 0.5)[rank]]), held
+        for layer, source in SHARING.items():
+            assert held[layer] == held[source], (rank, layer, held)
+    assert len(result["tokens"]) == 8

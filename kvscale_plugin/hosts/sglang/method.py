@@ -61,6 +61,7 @@ from kvscale_plugin.hosts.sglang.backends import (
     configured_attention_backends,
     judge_attention_backends,
 )
+from kvscale_plugin.hosts.sglang.shared import finish_cycle, serve_target, sharing_target
 from kvscale_plugin.loadcycle import (
     ZERO_POINT_NAMES,
     Action,
@@ -75,6 +76,7 @@ from kvscale_plugin.scales import (
     ResolvedScales,
 )
 from kvscale_plugin.scheme import SchemeVerdict
+from kvscale_plugin.sharing import SHARED_SOURCE, SharedLayers
 
 #: The host name the pluggy name-mapping hook is asked with.
 HOST = "sglang"
@@ -159,6 +161,8 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.refused = CorruptScales()
         self.kept_without_scales: set[str] = set()
         self.caller_reports_refusal = False
+        # Layers that read another layer's cache: what their own checkpoint scales were.
+        self.shared = SharedLayers()
         self._layer_states: weakref.WeakValueDictionary[str, _LayerState] = (
             weakref.WeakValueDictionary()
         )
@@ -265,6 +269,13 @@ class _LayerState:
     # so that a bad value is reported under the name the checkpoint gives it.
     checkpoint_names: dict[str, str] = field(default_factory=dict)
 
+    # A layer that reads another layer's KV cache (Gemma-3n / Gemma-4): that layer's name
+    # (hosts.sglang.shared), what its own loaders refused (unused, so only warned about),
+    # and the layer itself (its scales are re-synced at the end of each cycle).
+    target: str | None = None
+    own_corrupt: CorruptScales = field(default_factory=CorruptScales)
+    layer: Callable[[], torch.nn.Module | None] = lambda: None
+
     def tensor_name(self, kind: str) -> str:
         """The name problems with scale ``kind`` (``k_scale`` / ``v_scale``) are reported by."""
         return self.checkpoint_names.get(kind, f"{self.name}.{kind}")
@@ -290,6 +301,8 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
     def create_weights(self, layer: torch.nn.Module) -> None:
         cfg = self.quant_config
         state = _LayerState(self.layer_name, placement=_head_placement(cfg, layer))
+        state.target = sharing_target(self.layer_name, layer, cfg._layer_states)
+        state.layer = weakref.ref(layer)
         layer.kvscale_state = state
         cfg._layer_states[self.layer_name] = state
         cfg._load_cycle.built(self.layer_name)
@@ -300,7 +313,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
                 torch.tensor(SENTINEL, dtype=torch.float32), requires_grad=False
             )
             param.weight_loader = scale_loader(
-                cfg.corrupt_scales,
+                state.own_corrupt if state.target else cfg.corrupt_scales,
                 lambda kind=name: state.tensor_name(kind),
                 state.placement,
                 _recorder(state, name),
@@ -330,6 +343,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         if state is None:
             return
         state.pending.clear()
+        state.own_corrupt.clear()
         self.quant_config._load_cycle.built(state.name)
         for name in _SCALE_NAMES:
             self.quant_config.corrupt_scales.forget(f"{state.name}.{name}")
@@ -350,6 +364,17 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             verdict = _backend_verdict()
             if verdict.action is BackendAction.REFUSE:
                 raise ValueError(verdict.message)
+        pool = "fp8" if applies else requested
+        target = cfg._layer_states.get(state.target) if state.target else None
+        if target is not None:  # reads the target's cache: serves the target's scales
+            own = state.own_corrupt
+            resolved = serve_target(cfg.shared, state, target, loaded, own, cfg.checkpoint_names)
+            _write_scales(layer, state, resolved)
+            layer.kvscale_source = SHARED_SOURCE
+            cfg._load_cycle.done(state.name, resolved, pool, source=SHARED_SOURCE)
+            if not cfg._load_cycle.pending:
+                _end_cycle(cfg)
+            return
         corrupt = cfg.corrupt_scales.renamed(cfg.checkpoint_names)
         # The one rule for both hosts (loadcycle.decide).
         outcome = decide(
@@ -389,13 +414,21 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             _write_scales(layer, state, resolved)
             state.resolved = resolved
             layer.kvscale_source = resolved.source.value
-        cfg._load_cycle.done(state.name, resolved, "fp8" if applies else requested)
+        cfg._load_cycle.done(state.name, resolved, pool)
         if not cfg._load_cycle.pending:
             _end_cycle(cfg)
 
 
 def _end_cycle(cfg: KVScaleConfig) -> None:
-    """Every layer of the cycle processed: say once what the reload kept."""
+    """Every layer of the cycle processed: sharing layers re-synced with their targets;
+    say once what the reload kept."""
+
+    def write(state: _LayerState, resolved: ResolvedScales) -> None:
+        layer = state.layer()
+        if layer is not None:
+            _write_scales(layer, state, resolved)
+
+    finish_cycle(cfg.shared, cfg._layer_states, write)
     if cfg.kept_without_scales:
         warn_reload_without_scales(cfg.kept_without_scales)
         cfg.kept_without_scales.clear()
@@ -483,7 +516,9 @@ def _backend_verdict() -> BackendVerdict:
 
 def _warn_missing_scales(cfg: KVScaleConfig) -> None:
     warn_missing_scales(
-        name for name, state in cfg._layer_states.items() if not state.pending and not state.raw
+        name
+        for name, state in cfg._layer_states.items()
+        if not state.pending and not state.raw and not state.target
     )
 
 

@@ -23,7 +23,7 @@ SHARING = {
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
-def _config(family: str, vocab_size: int, kv_heads: int) -> object:
+def _config(family: str, vocab_size: int, kv_heads: int, one_head_dim: bool = False) -> object:
     import transformers
 
     common = dict(
@@ -43,7 +43,11 @@ def _config(family: str, vocab_size: int, kv_heads: int) -> object:
         sliding_window=64,
     )
     if family == "gemma4":
-        return transformers.Gemma4TextConfig(**common)
+        # one_head_dim: full-attention layers' head_dim (global_head_dim, 512 by default)
+        # equal to the sliding ones' -- SGLang 0.5.23 reads config.head_dim, which
+        # transformers refuses to answer for a Gemma-4 text config whose layers differ.
+        extra = {"global_head_dim": common["head_dim"]} if one_head_dim else {}
+        return transformers.Gemma4TextConfig(**common, **extra)
     if family == "gemma3n":
         return transformers.Gemma3nTextConfig(
             **common,
@@ -65,6 +69,7 @@ def build_shared_kv_checkpoint(
     cache_dir: Path | None = None,
     boost: float = 1.0,
     per_head: bool = False,
+    one_head_dim: bool = False,
 ) -> Path:
     """``scales``: writing layer -> (k, v) (default: distinct values for layers 0 and 1;
     ``"calibrate"``: amax / 448 of what each writing layer caches, over the reference
@@ -80,7 +85,7 @@ def build_shared_kv_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = _tokenizer_files(cache_dir or out.parent)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
-    config = _config(family, len(tok), 2 if per_head else 1)
+    config = _config(family, len(tok), 2 if per_head else 1, one_head_dim)
     torch.manual_seed(0)
     cls = {"gemma4": "Gemma4ForCausalLM", "gemma3n": "Gemma3nForCausalLM"}[family]
     model = getattr(transformers, cls)(config).eval()
