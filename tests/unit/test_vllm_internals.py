@@ -148,3 +148,15 @@ def test_every_patched_place_says_why_and_a_kvscale_engine_patches_at_most_five(
     # The MTP draft routing goes in only where the model declares MTP layers.
     plain_engine = [i for i in internals.PATCHED if i.feature != "mtp-drafts"]
     assert len(plain_engine) <= 5, [i.target for i in plain_engine]
+
+
+def test_one_feature_table_every_feature_has_its_installer_or_none():
+    """``activation.INSTALLERS`` lists exactly the features of ``internals.FEATURES`` but
+    the core, in the same order; None only for features nothing installs up front."""
+    from kvscale_plugin.hosts.vllm import activation
+
+    assert list(activation.INSTALLERS) == [f for f in internals.FEATURES if f != "scales"]
+    assert {f for f, install in activation.INSTALLERS.items() if install is None} == {
+        "mtp-drafts",
+        "deployment-check",
+    }

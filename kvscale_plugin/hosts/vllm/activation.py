@@ -30,12 +30,6 @@ def _reload_check() -> None:
     install_worker_wrappers()
 
 
-def _mtp_drafts() -> None:
-    """Nothing yet: installed by the config once the model declares MTP layers
-    (``method.KVScaleConfig.maybe_update_config``), so that an engine without a draft
-    never gets the loader wrapper."""
-
-
 def _cpu_write() -> bool:
     """On vLLM's CPU platform only; each kvscale layer's impl takes kvscale's write as the
     KV method processes it (``cpu_write.serve_layer``)."""
@@ -50,20 +44,21 @@ def _custom_backend() -> bool:
     return register_backend()
 
 
-def _deployment_check() -> None:
-    """Nothing to patch: the KV method runs the check (``deployment.check_deployment``)
-    while this feature is installed."""
-
-
-#: Installers of the features a kvscale engine activates, in order. One returning False
-#: did not apply here (e.g. the CPU write on a GPU platform): not installed, not lost.
-INSTALLERS: dict[str, Callable[[], Any]] = {
+#: Every feature of ``internals.FEATURES`` but the core (``scales``, registered in every
+#: process), in order, with what installs it here: a function (one returning False did not
+#: apply here, e.g. the CPU write on a GPU platform: not installed, not lost), or None where
+#: nothing is installed now and the feature is a flag its own code reads
+#: (``internals.installed``): ``mtp-drafts`` -- the config installs the draft loader's
+#: routing once the model declares MTP layers (``mtp.ensure_draft_routing``), so an engine
+#: without a draft never gets it; ``deployment-check`` -- the KV method runs the check
+#: (``deployment.check_deployment``). tests/unit/test_vllm_internals.py keeps the keys equal.
+INSTALLERS: dict[str, Callable[[], Any] | None] = {
     "name-parity": _name_parity,
     "reload-check": _reload_check,
-    "mtp-drafts": _mtp_drafts,
+    "mtp-drafts": None,
     "cpu-write": _cpu_write,
     "custom-backend": _custom_backend,
-    "deployment-check": _deployment_check,
+    "deployment-check": None,
 }
 
 _lock = threading.RLock()
@@ -101,7 +96,7 @@ def install_all(report: internals.Report | None = None) -> dict[str, str]:
             continue
         try:
             with internals.transaction():
-                applied = installer()
+                applied = None if installer is None else installer()
         except Exception as exc:  # noqa: BLE001 - costs this feature only (rolled back)
             lost[feature] = f"{type(exc).__name__}: {exc}"
             continue

@@ -512,9 +512,6 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
 #: Features active in this process (installed when it builds a kvscale engine).
 installed: set[str] = set()
 
-#: Features active in this process (installed when it builds a kvscale engine).
-installed: set[str] = set()
-
 # Changes to vLLM go through one reversible path (``patching``).
 from kvscale_plugin.hosts.vllm.callsites import calls_problem, live_calls  # noqa: E402
 from kvscale_plugin.hosts.vllm.patching import (  # noqa: E402
