@@ -192,12 +192,12 @@ def resolve_kv_cache_dtype(model: torch.nn.Module, requested: str = "auto") -> t
     )
 
 
-def update_weights_from_disk(model: torch.nn.Module, model_config: Any, path: Path) -> tuple:
-    """SGLang's own ``WeightUpdater.update_weights_from_disk`` (what the scheduler calls for
-    ``Engine.update_weights_from_disk``) on ``model``: ``(success, message)``."""
+def weight_updater(model: torch.nn.Module, model_config: Any) -> Any:
+    """SGLang's own model-runner ``WeightUpdater`` (what the scheduler's weight-update
+    requests call) for ``model`` on CPU, TP rank 0."""
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    updater = WeightUpdater(
+    return WeightUpdater(
         tp_rank=0,
         device="cpu",
         gpu_id=0,
@@ -208,4 +208,9 @@ def update_weights_from_disk(model: torch.nn.Module, model_config: Any, path: Pa
         recapture_cuda_graph=lambda: None,
         get_model_runner=lambda: None,
     )
-    return updater.update_weights_from_disk(str(path), "auto")
+
+
+def update_weights_from_disk(model: torch.nn.Module, model_config: Any, path: Path) -> tuple:
+    """``WeightUpdater.update_weights_from_disk`` (``Engine.update_weights_from_disk``)
+    on ``model``: ``(success, message)``."""
+    return weight_updater(model, model_config).update_weights_from_disk(str(path), "auto")

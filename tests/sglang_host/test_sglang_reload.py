@@ -24,6 +24,7 @@ from sglang_helpers import (
     build_model,
     layer_scales,
     update_weights_from_disk,
+    weight_updater,
 )
 
 pytestmark = pytest.mark.usefixtures("sglang_runtime")
@@ -37,22 +38,6 @@ def ckpts(tiny):
         return tiny(f"sgl-upd-{tag}", family=family, scales=scales)
 
     return make
-
-
-def _weight_updater(model, model_config):
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-
-    return WeightUpdater(
-        tp_rank=0,
-        device="cpu",
-        gpu_id=0,
-        model_config=model_config,
-        custom_weight_loaders={},
-        get_model=lambda: model,
-        update_model_fields=lambda *args, **kwargs: None,
-        recapture_cuda_graph=lambda: None,
-        get_model_runner=lambda: None,
-    )
 
 
 def _model_weights_only(path) -> list[tuple[str, torch.Tensor]]:
@@ -106,7 +91,7 @@ def test_on_a_bf16_cache_a_nan_scale_is_warned_about_not_served(ckpts, kvscale_w
 
 def test_a_trainer_update_without_scales_keeps_them_said_once(ckpts, kvscale_warnings):
     model, config = build_model(ckpts("a"))
-    updater = _weight_updater(model, config)
+    updater = weight_updater(model, config)
     weights = _model_weights_only(ckpts("b", SCALES_B))
     for _ in range(2):
         updater.begin_weight_update()
@@ -121,7 +106,7 @@ def test_a_trainer_update_without_scales_keeps_them_said_once(ckpts, kvscale_war
 
 def test_a_session_with_a_nan_scale_keeps_the_scales_and_logs_the_refusal(ckpts, caplog):
     model, config = build_model(ckpts("a"))
-    updater = _weight_updater(model, config)
+    updater = weight_updater(model, config)
     caplog.set_level(logging.ERROR, logger="kvscale_plugin")
     updater.begin_weight_update()
     updater.update_weights_from_tensor([(NAN_TENSOR, torch.tensor(math.nan))])
