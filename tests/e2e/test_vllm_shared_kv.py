@@ -15,7 +15,13 @@ import pytest
 from _run_script import run_script
 from kvscale_testing.checkpoints import reference_token_ids
 from kvscale_testing.engines import reload_weights
-from kvscale_testing.shared_kv import SHARING, build_shared_kv_checkpoint, stored_scales
+from kvscale_testing.shared_kv import (
+    ASSISTANT_SHARING,
+    SHARING,
+    build_gemma4_assistant,
+    build_shared_kv_checkpoint,
+    stored_scales,
+)
 from kvscale_testing.skips import (
     KV_DTYPE,
     follows_cpu_fp8,
@@ -181,3 +187,29 @@ def test_tensor_parallel_ranks_share_their_own_heads(ckpts, tmp_path):
         for layer, source in SHARING.items():
             assert held[layer] == held[source], (rank, layer, held)
     assert len(result["tokens"]) == 8
+
+
+@needs_fp8_cpu_cache
+def test_the_gemma4_assistant_drafter_reads_with_its_targets_scales(ckpts, tmp_path_factory):
+    """Speculative decoding with Gemma-4's bf16 assistant (its Q-only layers read the
+    target's FP8 cache, wired by vLLM's proposer after loading): stock vLLM 0.32 serves
+    them at 1.0 (as found); kvscale gives each its target layer's scales, also after a
+    reload of the target, and the engine serves."""
+    target = ckpts("assistant-target")
+    assistant = build_gemma4_assistant(tmp_path_factory.mktemp("assistant"), target)
+    spec = {"model": str(assistant), "num_speculative_tokens": 2}
+    with vllm_engine(target, speculative_config=spec) as llm:
+        stock = _held(llm)
+    second = ckpts("assistant-reload", scales={0: (2.5, 3.5), 1: (4.5, 5.5)})
+    with vllm_engine(target, quantization="kvscale", speculative_config=spec) as llm:
+        ours = _held(llm)
+        out = llm.generate(["The quick brown fox"], use_tqdm=False)
+        reload_weights(llm, second)
+        reloaded = _held(llm)
+    assert out[0].outputs[0].token_ids
+    assert {n for n in ours if n.startswith("draft_model.")} == set(ASSISTANT_SHARING)
+    for draft, source in ASSISTANT_SHARING.items():
+        assert stock[draft] == (1.0, 1.0) * 3, stock  # stock vLLM 0.32, as found
+        assert ours[draft] == ours[source] != (1.0, 1.0) * 3, (draft, ours)
+        assert reloaded[draft] == reloaded[source], (draft, reloaded)
+    assert reloaded["draft_model.layers.1.self_attn.attn"] == (4.5, 5.5) * 3

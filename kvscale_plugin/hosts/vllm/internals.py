@@ -14,20 +14,9 @@ Two moments (``hosts.vllm.register`` and ``activation.activate``):
   targets, installs the features that hold (a missing or changed target costs only its
   feature, with one line saying so) and says once if this vLLM is not a tested release.
 
-Features (``FEATURES``), each all or nothing:
-
-* ``scales`` -- the core: ``--quantization kvscale`` loads, validates and serves the
-  checkpoint's per-layer / per-head k/v scales through vLLM's quantization registry and
-  KV-cache method (its public extension points). Every other feature needs it.
-* ``name-parity`` -- decisions vLLM makes by the method's *name* answered for ``kvscale``
-  as for ``compressed-tensors`` (NVFP4 fusion pass, metrics byte size).
-* ``reload-check`` -- a reload with corrupt scales is refused after vLLM finishes it; a
-  reload without scales is reported.
-* ``mtp-drafts`` -- MTP draft layers get their own checkpoint scales.
-* ``cpu-write`` -- round-to-nearest-even FP8 cache write on vLLM's CPU platform.
-* ``custom-backend`` -- ``--attention-backend CUSTOM``: the fused Triton FP8 cache write.
-* ``deployment-check`` -- an engine spanning several nodes starts only when every rank
-  serves with kvscale, of one version.
+Features (``FEATURES``: feature -> what a user gets from it), each all or nothing. Every
+other feature needs ``scales``, the core, which goes through vLLM's quantization registry
+and KV-cache method (its public extension points).
 
 Targets are checked live (imported, resolved, signatures and call sites read) at
 activation, except ``lazy`` ones, whose modules are heavy or platform-specific and are
@@ -61,7 +50,8 @@ FEATURES: dict[str, str] = {
     "(NVFP4 fusion pass, metrics weight size)",
     "reload-check": "in-place reloads with corrupt KV scales refused, reloads without scales "
     "reported",
-    "mtp-drafts": "MTP draft layers served with their own checkpoint KV scales",
+    "mtp-drafts": "MTP draft layers served with their own checkpoint KV scales (the Gemma-4 "
+    "assistant drafter's with its target layers')",
     "cpu-write": "round-to-nearest-even FP8 cache write on vLLM's CPU platform (vLLM's own "
     "write truncates)",
     "custom-backend": "--attention-backend CUSTOM: the fused Triton FP8 cache write",
@@ -78,6 +68,11 @@ _Q = "vllm.model_executor.layers.quantization"
 _CT = f"{_Q}.compressed_tensors.compressed_tensors"
 _RELOAD = "vllm.model_executor.model_loader.reload"
 _UPDATE = ("layer", "key", "value", "kv_cache", "slot_mapping")
+_SPEC = "vllm.v1.worker.gpu.spec_decode.gemma4"
+_ASSISTANT = (
+    "the Gemma-4 assistant drafter's layers get kv_sharing_target_layer_name here, after "
+    "loading, and no scale; a bf16 assistant has no KV method: no kvscale hook runs on them"
+)
 
 
 @dataclass(frozen=True)
@@ -299,6 +294,26 @@ INTERNALS: tuple[Internal, ...] = (
         "applies a quantization config's scale-name mapper, GLM-4-MoE's looks names up "
         "in its parameters): no mapper or weight loader of the KV method sees an "
         "MTP-layer scale before the draft's own load_weights raises on it",
+    ),
+    _i(
+        "vllm.v1.spec_decode.gemma4",
+        "Gemma4Proposer._setup_gemma4_kv_sharing",
+        "mtp-drafts",
+        "wrapped (engines drafting with Gemma-4's assistant only): the drafter's layers "
+        "hold their target layers' scales",
+        params=("target_attn_layer_names",),
+        required=False,
+        lazy=True,
+        patch=_ASSISTANT,
+    ),
+    _i(
+        f"{_SPEC}.speculator",
+        "Gemma4Speculator._setup_gemma4_kv_sharing",
+        "mtp-drafts",
+        "as Gemma4Proposer's (vLLM 0.34)",
+        required=False,
+        lazy=True,
+        patch=_ASSISTANT,
     ),
     # -- cpu-write (per kvscale layer: its attention impl gets kvscale's write; vLLM's
     # class is untouched)

@@ -55,7 +55,12 @@ from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
 from kvscale_plugin.hosts.vllm.served import head_layout, write_scales
-from kvscale_plugin.hosts.vllm.shared import finish_load_cycle, serve_target_scales, sharing_target
+from kvscale_plugin.hosts.vllm.shared import (
+    ensure_assistant_sync,
+    finish_load_cycle,
+    serve_target_scales,
+    sharing_target,
+)
 from kvscale_plugin.loadcycle import (
     ZERO_POINT_NAMES,
     Action,
@@ -290,6 +295,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
 
         ensure_worker_wrappers()
+        ensure_assistant_sync()  # Gemma-4's assistant drafter follows its target's layers
         # An engine spanning several nodes: every rank serves with kvscale (once per process).
         check_deployment()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)

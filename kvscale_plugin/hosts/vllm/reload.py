@@ -54,7 +54,11 @@ def engine_layers(worker: Any) -> list[torch.nn.Module]:
     KV method: vLLM registers each in the engine's forward context, by name."""
     config = getattr(worker, "vllm_config", None)
     context = getattr(getattr(config, "compilation_config", None), "static_forward_context", {})
-    return [layer for layer in dict(context).values() if is_kvscale_layer(layer)]
+    return [
+        layer
+        for layer in dict(context).values()
+        if is_kvscale_layer(layer) or getattr(layer, "kvscale_follows", False)
+    ]
 
 
 def _uses_checkpoint_scales(layer: torch.nn.Module) -> bool:

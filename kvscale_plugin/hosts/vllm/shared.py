@@ -13,10 +13,12 @@ its target's scales change.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvscale_plugin._log import warn_once
-from kvscale_plugin.hosts.vllm.layers import EngineConfig, layer_records
+from kvscale_plugin.hosts.vllm.layers import EngineConfig, is_kvscale_layer, layer_records
 from kvscale_plugin.hosts.vllm.served import write_kv_scales
 from kvscale_plugin.scales import ResolvedScales, unscaled
 from kvscale_plugin.sharing import SharedLayers
@@ -74,3 +76,79 @@ def shared_notes(cfg: EngineConfig) -> SharedLayers:
     if notes is None:
         notes = cfg.kvscale_shared = SharedLayers()
     return notes
+
+
+# -- the Gemma-4 assistant drafter (``gemma4_mtp``, speculative decoding) --------------
+#: Where vLLM wires the drafter's Q-only layers to the target's cache, per release:
+#: ``Gemma4Proposer`` (0.30-0.33), ``Gemma4Speculator`` (0.34's model runner).
+_ASSISTANT_WIRING = (
+    ("vllm.v1.spec_decode.gemma4", "Gemma4Proposer"),
+    ("vllm.v1.worker.gpu.spec_decode.gemma4.speculator", "Gemma4Speculator"),
+)
+_WIRED = "__kvscale_follows_targets__"
+
+
+def follow_targets(layers: dict[str, Any]) -> None:
+    """Every attention layer that reads a kvscale layer's cache but has no kvscale KV
+    method of its own (the assistant drafter: a bf16 checkpoint, no quantization config)
+    holds that layer's scales; marked so that reloads re-sync it (``reload.engine_layers``)."""
+    for layer in layers.values():
+        target = layers.get(sharing_target(layer) or "")
+        resolved = getattr(target, "kvscale_resolved", None)
+        if resolved is not None and not is_kvscale_layer(layer):
+            write_kv_scales(layer, resolved)
+            layer.kvscale_follows = True
+
+
+def install_assistant_sync() -> None:
+    """Idempotent, in an engine whose speculative config is Gemma-4's assistant: after the
+    proposer wires its layers to the target's cache (``_setup_gemma4_kv_sharing``; vLLM
+    copies no scale there), they hold the target layers' scales."""
+    import functools
+    import importlib
+
+    from kvscale_plugin.hosts.vllm.patching import replace
+
+    for module, name in _ASSISTANT_WIRING:
+        try:
+            owner = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue  # not in this release
+        original = owner.__dict__.get("_setup_gemma4_kv_sharing")
+        if original is None or getattr(original, _WIRED, False):
+            continue
+
+        def wire(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            result = _original(self, *args, **kwargs)
+            follow_targets(dict(self.vllm_config.compilation_config.static_forward_context))
+            return result
+
+        functools.update_wrapper(wire, original)
+        setattr(wire, _WIRED, True)
+        replace(owner, "_setup_gemma4_kv_sharing", wire)
+
+
+def ensure_assistant_sync() -> None:
+    """Called by the KV method as each layer is built (an engine's worker process):
+    ``install_assistant_sync`` where the engine drafts with Gemma-4's assistant and the
+    ``mtp-drafts`` feature is installed. Never raises: a failure costs the drafter's scales."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from kvscale_plugin.hosts.vllm import internals
+
+    config = get_current_vllm_config_or_none()
+    spec = getattr(config, "speculative_config", None)
+    uses = getattr(spec, "use_gemma4_mtp", None)
+    if "mtp-drafts" not in internals.installed or not (callable(uses) and uses()):
+        return
+    try:
+        with internals.transaction():
+            install_assistant_sync()
+    except Exception as exc:  # noqa: BLE001 - costs the drafter's scales only
+        warn_once(
+            "vllm-gemma4-assistant",
+            "kvscale: cannot follow the Gemma-4 assistant drafter's layers (%s: %s); they "
+            "read the target's FP8 cache at scale 1.0, as in stock vLLM.",
+            type(exc).__name__,
+            exc,
+        )

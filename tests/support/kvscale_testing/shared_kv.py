@@ -153,3 +153,46 @@ def _calibrate(model: torch.nn.Module, tok: object) -> dict[int, tuple[float, fl
     for h in hooks:
         h.remove()
     return {i: (amax[i, "k_norm"] * 1.5 / 448, amax[i, "v_norm"] * 1.5 / 448) for i in range(2)}
+
+
+#: The Gemma-4 assistant drafter's layers -> the target layers vLLM's proposer wires them to
+#: (the last non-sharing target layer of the same type: sliding, full).
+ASSISTANT_SHARING = {
+    "draft_model.layers.0.self_attn.attn": "model.layers.0.self_attn.attn",
+    "draft_model.layers.1.self_attn.attn": "model.layers.1.self_attn.attn",
+}
+
+
+def build_gemma4_assistant(out: Path, target: Path) -> Path:
+    """A tiny bf16 Gemma-4 assistant drafter (``Gemma4AssistantForCausalLM``: Q-only layers
+    over the target's cache, no ``quantization_config``) for ``target``
+    (``build_shared_kv_checkpoint(family="gemma4")``), with its tokenizer."""
+    import transformers
+
+    cfg = json.loads((target / "config.json").read_text())
+    text = transformers.Gemma4TextConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_kv_shared_layers=2,
+        max_position_embeddings=2048,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=64,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        enable_moe_block=False,
+        use_double_wide_mlp=False,
+    )
+    config = transformers.Gemma4AssistantConfig(
+        text_config=text, backbone_hidden_size=128, num_centroids=16, centroid_intermediate_top_k=4
+    )
+    torch.manual_seed(1)
+    transformers.Gemma4AssistantForCausalLM(config).eval().save_pretrained(out)
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
