@@ -32,18 +32,26 @@ no scale for the layer, start-up              1.0 (one warning for a declared sc
                                               none after a dummy load)
 ============================================  ==============================================
 
+Per layer, the cycle's state is one ``LayerRecord`` (the same for both hosts), kept on the
+host's attention layer for its lifetime; the config of an engine owns one ``Cycle``: the
+records it built in this process, which are still to be processed, the union of what their
+loaders refused (read once per cycle, not once per layer) and the INFO line that says,
+when the last layer is processed, what the cycle served.
+
 Pure: hosts hand in plain tensors and flags, never a host object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
-from kvscale_plugin._log import shorten
+from kvscale_plugin._log import logger, shorten
 from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.scales import (
     CorruptScales,
@@ -190,4 +198,175 @@ def refused_reload_message(corrupt: CorruptScales, host: str) -> str:
         f"it had. The reload's other weights are in place ({host} loads them before the "
         "scales can be checked): reload a checkpoint with valid KV scales (check it with "
         "`kvscale inspect`) before relying on this engine's outputs."
+    )
+
+
+@dataclass(eq=False)
+class LayerRecord:
+    """One attention layer's load-cycle state, for every host: built with the layer (by
+    ``Cycle.record``), kept on it for its lifetime, read and written by the host's KV
+    method, its scale loaders and its reload check."""
+
+    name: str
+    #: per-head schemes: which checkpoint heads this rank serves (``heads.HeadLayout``).
+    heads: HeadLayout | None = None
+    #: the layer whose KV cache this one reads (``sharing.py``), or None.
+    target: str | None = None
+    #: what this cycle's loaders read, validated: kind (``k_scale``...) -> values.
+    loaded: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    #: what they refused (k/v; q apart: only hosts that quantize queries refuse it).
+    corrupt: CorruptScales = field(default_factory=CorruptScales)
+    corrupt_q: CorruptScales = field(default_factory=CorruptScales)
+    #: kind -> the checkpoint tensor loaded into it when it is not ``<name>.<kind>`` (an
+    #: MTP layer's scale loaded into a draft layer): problems are named by it.
+    checkpoint_names: dict[str, str] = field(default_factory=dict)
+    #: the scales in force (None until the layer first served: then a load is a reload),
+    #: the loaded values they came from (where a host keeps them), and how the INFO line
+    #: counts them.
+    resolved: ResolvedScales | None = None
+    raw: dict[str, tuple[float, ...]] | None = None
+    source: str | None = None
+    #: the reload being checked: refused (the layer kept its scales), processed by the
+    #: KV method (a reload that reaches no KV method carried no scale for the layer).
+    refused: bool = False
+    reloaded: bool = False
+    #: a speculative-decoding draft's layer (its own warnings and reload rules).
+    draft: bool = False
+    #: host-side copies kept equal to the served k/v scales (SGLang's Qwen3 fused write).
+    mirrors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def tensor_name(self, kind: str) -> str:
+        """The name problems with scale ``kind`` are reported by."""
+        return self.checkpoint_names.get(kind, f"{self.name}.{kind}")
+
+    def start(self) -> None:
+        """A new load cycle: nothing loaded yet, and what an earlier one refused under
+        this layer's names is moot (records a host re-filed under other names stay until
+        its reload check reads them)."""
+        self.loaded.clear()
+        for records in (self.corrupt, self.corrupt_q):
+            records.forget_under(self.name)
+            for name in self.checkpoint_names.values():
+                records.forget(name)
+
+    def value(self, kind: str) -> tuple[float, ...] | None:
+        """What this cycle loaded for ``kind`` (None: nothing)."""
+        return self.loaded.get(kind)
+
+    def served(self, resolved: ResolvedScales, source: str | None = None) -> None:
+        """The layer now serves ``resolved``, counted as ``source`` (default: its own)."""
+        self.resolved = resolved
+        self.source = source or resolved.source.value
+        self.refused = False
+
+
+class Cycle:
+    """One engine's load cycles in this process (its config owns it): the layers' records,
+    the layers still to process in the current cycle, and at its end one INFO line on what
+    they were given (otherwise ``--quantization kvscale`` says nothing at a host's default
+    log level). Reloads and MTP drafts build their layers again: each cycle gets its line."""
+
+    def __init__(self, target_of: Callable[[LayerRecord], str | None] | None = None) -> None:
+        self.records: weakref.WeakValueDictionary[str, LayerRecord] = weakref.WeakValueDictionary()
+        # Whose cache a layer reads, where the host knows it only after building the
+        # layer (vLLM): asked when the cycle's refusals are gathered.
+        self._target_of = target_of
+        self.pending: set[str] = set()
+        self._processed: dict[str, tuple[str, ResolvedScales, str]] = {}
+        self._refused: tuple[CorruptScales, CorruptScales] | None = None
+
+    def record(self, name: str, **fields: Any) -> LayerRecord:
+        """A new layer's record, registered under ``name``; its refusals reach the cycle."""
+        record = LayerRecord(
+            name,
+            corrupt=CorruptScales(self._changed),
+            corrupt_q=CorruptScales(self._changed),
+            **fields,
+        )
+        self.records[name] = record
+        return record
+
+    def _changed(self) -> None:
+        self._refused = None
+
+    def built(self, name: str) -> None:
+        """Layer ``name`` takes part in the cycle (built, or re-armed for a reload)."""
+        self.pending.add(name)
+
+    def refused(self) -> tuple[CorruptScales, CorruptScales]:
+        """Every k/v and every q tensor the cycle's layers refused (layers that read another
+        layer's cache left out: their own scales are unused), computed again only after a
+        loader changed a record."""
+        if self._refused is None:
+            kv, q = CorruptScales(), CorruptScales()
+            for record in list(self.records.values()):
+                if self._target_of is not None:
+                    record.target = self._target_of(record)
+                if record.target is None:
+                    kv.update(record.corrupt)
+                    q.update(record.corrupt_q)
+            self._refused = (kv, q)
+        return self._refused
+
+    def done(self, record: LayerRecord, pool: str, *, prefix: str = "") -> bool:
+        """``record`` was processed (its cache dtype ``pool``); True when it was the
+        cycle's last, after the INFO line (``prefix``: e.g. for an MTP draft's line)."""
+        assert record.resolved is not None and record.source is not None
+        self.pending.discard(record.name)
+        self._processed[record.name] = (record.source, record.resolved, pool)
+        if self.pending:
+            return False
+        line = describe_loaded_layers(
+            [(source, resolved) for source, resolved, _ in self._processed.values()],
+            [pool for _, _, pool in self._processed.values()],
+        )
+        logger.info("%s%s", prefix, line)
+        self._processed.clear()
+        return True
+
+    def sharing_records(self) -> Iterable[tuple[LayerRecord, ResolvedScales]]:
+        """Each layer that reads another layer's cache, with what that layer serves now."""
+        for record in list(self.records.values()):
+            target = self.records.get(record.target) if record.target else None
+            if target is not None and target.resolved is not None:
+                yield record, target.resolved
+
+
+def describe_loaded_layers(
+    layers: Iterable[tuple[str, ResolvedScales]], pool_dtypes: Iterable[str]
+) -> str:
+    """One line on what a load cycle gave a set of attention layers: ``layers`` are
+    ``(source, resolved)`` pairs (``ScaleSource`` value or ``"shared"``, ``ResolvedScales``),
+    ``pool_dtypes`` each layer's KV-cache dtype as the host names it. For the INFO line a
+    user reads to know what kvscale did (which scales, which pool)."""
+    pairs = list(layers)
+    pools = sorted(set(pool_dtypes))
+    by_source: dict[str, list[ResolvedScales]] = {}
+    for source, resolved in pairs:
+        by_source.setdefault(source, []).append(resolved)
+    parts = []
+    scaled = by_source.get("checkpoint", []) + by_source.get("duplicated", [])
+    if scaled:
+        per_head = any(r.per_head for r in scaled)
+        k = [x for r in scaled for x in r.k_heads]
+        v = [x for r in scaled for x in r.v_heads]
+        parts.append(
+            f"{len(scaled)} with the checkpoint's {'per-head' if per_head else 'per-tensor'} "
+            f"scales (k {min(k):.4g}..{max(k):.4g}, v {min(v):.4g}..{max(v):.4g})"
+        )
+    if by_source.get("duplicated"):
+        parts.append(f"{len(by_source['duplicated'])} of them from one kv_scale for k and v")
+    if by_source.get("default"):
+        parts.append(f"{len(by_source['default'])} without scales (1.0: see the warning)")
+    if by_source.get("shared"):
+        parts.append(f"{len(by_source['shared'])} reading another layer's cache, with its scales")
+    if by_source.get("unscaled"):
+        parts.append(
+            f"{len(by_source['unscaled'])} with a KV cache that does not use scales "
+            "(not FP8, or a scheme kvscale does not serve)"
+        )
+    return (
+        f"kvscale: {len(pairs)} attention layer(s) loaded, KV cache {'/'.join(pools)}: "
+        + "; ".join(parts)
+        + "."
     )

@@ -19,7 +19,7 @@ naming the tensor and the head, together with every other bad tensor in one erro
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -180,25 +180,35 @@ class CorruptScales:
     """The corrupt scale tensors one engine's load cycle found, kept by tensor and head
     until the cycle ends (reported together, in one error)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self._records: dict[tuple[str, int | None], ScaleProblem] = {}
+        # Told of every change (a load cycle caches the union of its layers' records).
+        self._on_change = on_change
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def add(self, problems: Iterable[ScaleProblem]) -> None:
         for problem in problems:
             self._records[(problem.tensor, problem.head)] = problem
+        self._changed()
 
     def forget(self, tensor: str) -> None:
         """Drop what an earlier load said about ``tensor`` (and each of its heads)."""
         for key in [k for k in self._records if k[0] == tensor]:
             del self._records[key]
+        self._changed()
 
     def forget_under(self, prefix: str) -> None:
         """Drop every record of a tensor named ``prefix.<something>`` (one layer's)."""
         for key in [k for k in self._records if k[0].startswith(prefix + ".")]:
             del self._records[key]
+        self._changed()
 
     def clear(self) -> None:
         self._records.clear()
+        self._changed()
 
     def refile(self, tensor: str, as_tensor: str, *, note: str = "") -> None:
         """Name ``tensor``'s records ``as_tensor`` (with ``note``): e.g. the checkpoint's
@@ -222,6 +232,14 @@ class CorruptScales:
 
     def update(self, other: CorruptScales) -> None:
         self.add(other.records())
+
+    @classmethod
+    def union(cls, *parts: CorruptScales) -> CorruptScales:
+        """A new record of every problem in ``parts``."""
+        out = cls()
+        for part in parts:
+            out.update(part)
+        return out
 
     def __bool__(self) -> bool:
         return bool(self._records)

@@ -180,7 +180,7 @@ def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
             v_cpu=float(layer._v_scale_cpu),
             kv_cache_dtype=str(layer.kv_cache_dtype),
             pool_dtype=getattr(cache, "dtype", None),
-            source=getattr(layer, "kvscale_source", None),
+            source=getattr(getattr(layer, "kvscale_record", None), "source", None),
             k_ptr=layer._k_scale.data_ptr(),
             v_ptr=layer._v_scale.data_ptr(),
             k_heads=tuple(float(x) for x in layer._k_scale.reshape(-1).tolist()),

@@ -18,6 +18,7 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger, shorten, warn_once
 from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.loadcycle import (
+    LayerRecord,
     read_scale,
     reload_without_scales_message,
     unused_corrupt_message,
@@ -121,27 +122,29 @@ def warn_missing_scales(layer_names: Iterable[str], scope: str = "") -> None:
 # and reads their __name__; its replay binds the first argument "param". SGLang passes
 # loaders extra positional arguments (shard ids), which they ignore.
 def scale_loader(
-    corrupt: CorruptScales,
-    tensor_name: Callable[[], str],
-    heads: HeadLayout | None,
-    store: Callable[[torch.Tensor, tuple[float, ...]], None],
-    *,
-    is_query: bool = False,
+    record: LayerRecord, kind: str, heads: HeadLayout | None, *, into_param: bool = False
 ) -> Callable[..., None]:
-    """A scale parameter's weight loader, the same for every host: each tensor it is given
-    is read by ``loadcycle.read_scale`` (every element checked, this rank's heads kept);
-    a bad one goes to ``corrupt`` (reported with every other after loading), a good one to
-    ``store(param, values)`` -- the host's record of what the cycle loaded. ``tensor_name``
-    is asked at each load: the name a problem is filed under."""
+    """Scale ``kind``'s weight loader, the same for every host: each tensor it is given is
+    read by ``loadcycle.read_scale`` (every element checked, this rank's ``heads`` kept); a
+    bad one goes to the layer's record of refusals (``corrupt``, ``corrupt_q`` for a q
+    scale; reported with every other after loading), a good one to ``record.loaded``. The
+    served tensors change only when the cycle is processed. ``into_param``: the value is
+    copied into the placeholder too (vLLM's layerwise reload counts the elements a loader
+    copies to know that a layer loaded something; SGLang's placeholder is the served
+    tensor, which must not change before the cycle is decided)."""
+    is_query = kind == "q_scale"
+    corrupt = record.corrupt_q if is_query else record.corrupt
 
     def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
-        name = tensor_name()
+        name = record.tensor_name(kind)
         corrupt.forget(name)
         values, problems = read_scale(name, loaded_weight, heads, is_query=is_query)
         if values is None:
             corrupt.add(problems)
             return
-        store(param, values)
+        record.loaded[kind] = values
+        if into_param:
+            param.data.copy_(torch.tensor(values, dtype=torch.float32).reshape(param.shape))
 
     return load_kv_scale
 
@@ -186,71 +189,3 @@ def warn_unmapped_scales(names: Iterable[str], scope: str = "") -> None:
         len(shown),
         ", ".join(shown),
     )
-
-
-def describe_loaded_layers(layers: Iterable[tuple[str, Any]], pool_dtypes: Iterable[str]) -> str:
-    """One line on what a load cycle gave a set of attention layers: ``layers`` are
-    ``(source, resolved)`` pairs (``ScaleSource`` value, ``ResolvedScales``), ``pool_dtypes``
-    each layer's KV-cache dtype as the host names it. For the INFO line a user reads to
-    know what kvscale did (which scales, which pool)."""
-    pairs = list(layers)
-    pools = sorted(set(pool_dtypes))
-    by_source: dict[str, list[Any]] = {}
-    for source, resolved in pairs:
-        by_source.setdefault(source, []).append(resolved)
-    parts = []
-    scaled = by_source.get("checkpoint", []) + by_source.get("duplicated", [])
-    if scaled:
-        per_head = any(r.per_head for r in scaled)
-        k = [x for r in scaled for x in r.k_heads]
-        v = [x for r in scaled for x in r.v_heads]
-        parts.append(
-            f"{len(scaled)} with the checkpoint's {'per-head' if per_head else 'per-tensor'} "
-            f"scales (k {min(k):.4g}..{max(k):.4g}, v {min(v):.4g}..{max(v):.4g})"
-        )
-    if by_source.get("duplicated"):
-        parts.append(f"{len(by_source['duplicated'])} of them from one kv_scale for k and v")
-    if by_source.get("default"):
-        parts.append(f"{len(by_source['default'])} without scales (1.0: see the warning)")
-    if by_source.get("shared"):
-        parts.append(f"{len(by_source['shared'])} reading another layer's cache, with its scales")
-    if by_source.get("unscaled"):
-        parts.append(
-            f"{len(by_source['unscaled'])} with a KV cache that does not use scales "
-            "(not FP8, or a scheme kvscale does not serve)"
-        )
-    return (
-        f"kvscale: {len(pairs)} attention layer(s) loaded, KV cache {'/'.join(pools)}: "
-        + "; ".join(parts)
-        + "."
-    )
-
-
-class LoadCycle:
-    """The attention layers of one load cycle in this process (built, then processed):
-    when the last one is processed, one INFO line says what they were given (otherwise
-    ``--quantization kvscale`` says nothing at a host's default log level). Reloads and
-    MTP drafts build their layers again: each cycle gets its own line."""
-
-    def __init__(self) -> None:
-        self.pending: set[str] = set()
-        self.processed: dict[str, tuple[str, Any, str]] = {}
-
-    def built(self, name: str) -> None:
-        self.pending.add(name)
-
-    def done(
-        self, name: str, resolved: Any, pool: str, draft: bool = False, source: str | None = None
-    ) -> None:
-        """``resolved``: the layer's ``ResolvedScales``; ``pool``: its KV-cache dtype;
-        ``source``: how the line counts it (default: ``resolved.source``)."""
-        self.pending.discard(name)
-        self.processed[name] = (source or resolved.source.value, resolved, pool)
-        if self.pending:
-            return
-        line = describe_loaded_layers(
-            ((s, r) for s, r, _ in self.processed.values()),
-            (pool for _, _, pool in self.processed.values()),
-        )
-        logger.info("%s%s", "(MTP draft) " if draft else "", line)
-        self.processed.clear()

@@ -105,7 +105,7 @@ def _scales(context: dict[str, Any]) -> dict[str, Any]:
             "v": [float(x) for x in layer._v_scale.reshape(-1).tolist()],
             "k_float": float(layer._k_scale_float),
             "v_float": float(layer._v_scale_float),
-            "source": getattr(layer, "kvscale_source", None),
+            "source": getattr(getattr(layer, "kvscale_record", None), "source", None),
         }
     return out
 

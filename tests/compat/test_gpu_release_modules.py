@@ -25,15 +25,22 @@ pytestmark = pytest.mark.slow
 
 LIVE = r"""
 import json
+from collections import Counter
 import vllm
 from kvscale_plugin.hosts.vllm import internals
+# check() resolves each target it checks through internals.problem: counted per feature.
+checked, problem = Counter(), internals.problem
+def counted(internal):
+    checked[internal.feature] += 1
+    return problem(internal)
+internals.problem = counted
 report = internals.check()
 print("RESULT " + json.dumps({
     "version": vllm.__version__,
     "file": vllm.__file__,
-    "held": report.held(),
+    "held": [f for f in internals.FEATURES if report.available(f)],
     "problems": {f: p for f, p in report.problems.items() if p},
-    "checked": report.checked,
+    "checked": {f: checked[f] for f in internals.FEATURES},
 }))
 """
 

@@ -586,11 +586,18 @@ def test_rne_write_is_closer_to_the_bf16_cache_than_vllms(checkpoint):
 
 # vLLM's own processes -----------------------------------------------------------------
 
+#: kvscale_testing's folder (tests/support), for the fresh interpreter below.
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
 _MULTIPROC = """
 import json, os, sys
-from vllm import LLM, SamplingParams
-from kvscale_plugin.hosts.vllm.cpu_write import model_write_routes
 if __name__ == "__main__":
+    # kvscale_testing (tests/support): a fresh interpreter, outside pytest. Worker
+    # processes inherit this sys.path, so they can unpickle the apply_model target.
+    sys.path.insert(0, sys.argv[3])
+    from kvscale_testing.cpu_routes import model_write_routes
+    from vllm import LLM, SamplingParams
+
     llm = LLM(model=sys.argv[1], quantization="kvscale", enforce_eager=True, dtype=sys.argv[2],
               kv_cache_memory_bytes=64 * 2**20, block_size=32, max_model_len=512)
     llm.generate(["Paged attention stores"], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -612,7 +619,7 @@ def test_engine_core_process_uses_the_rne_write(checkpoint, tmp_path):
     )
     env.pop(vllm_cpu_write.ENV_VAR, None)
     proc = subprocess.run(
-        [sys.executable, str(script), str(checkpoint(64)), MODEL_DTYPE],
+        [sys.executable, str(script), str(checkpoint(64)), MODEL_DTYPE, str(SUPPORT)],
         env=env,
         capture_output=True,
         text=True,

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from kvscale_testing.cpu_cache import expected_vec_cache as _expected
+from kvscale_testing.cpu_routes import model_write_routes
 
 from kvscale_plugin.hosts.vllm import cpu_write
 
@@ -77,7 +78,7 @@ def test_kvscale_layer_is_written_by_the_contract_and_followed_across_a_swap(mod
     expected = _expected(cache, key, value, slots, 0.0123, 0.0071)
     update(impl, layer, key, value, cache, slots)
     assert torch.equal(cache, expected)
-    assert cpu_write.model_write_routes(_Model(impl)) == {
+    assert model_write_routes(_Model(impl)) == {
         "attn": {"torch.bfloat16": "c:vec" if mode == "rne" else "torch:vec"}
     }
     held = impl.__dict__[cpu_write._TARGET_ATTR]

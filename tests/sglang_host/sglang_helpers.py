@@ -154,7 +154,7 @@ def layer_scales(model: torch.nn.Module) -> dict[str, Scales]:
             v=None if v is None else float(v),
             k_float=layer.k_scale_float,
             v_float=layer.v_scale_float,
-            source=getattr(layer, "kvscale_source", None),
+            source=getattr(getattr(layer, "kvscale_record", None), "source", None),
             method=None if layer.quant_method is None else type(layer.quant_method).__name__,
             k_ptr=None if k is None else k.data_ptr(),
             k_heads=tuple(getattr(layer, "kvscale_k_heads", ())),

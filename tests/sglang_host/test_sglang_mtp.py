@@ -198,7 +198,7 @@ def test_missing_mtp_scales_serve_1_with_a_warning(tiny, family, kvscale_warning
     (warning,) = kvscale_warnings("has no k_scale/v_scale tensors")
     # Named as SGLang prefixed the draft's RadixAttention (e.g. MiMoMTP: "self_attn.attn").
     (attn,) = attention_layers(model).values()
-    assert f"tensors for {attn.kvscale_state.name};" in warning
+    assert f"tensors for {attn.kvscale_record.name};" in warning
     # The main stack's scales, which the draft's checkpoint also holds, are not reported.
     assert kvscale_warnings("were not loaded") == []
 

@@ -12,6 +12,8 @@ from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.hosts._common import scale_loader
 from kvscale_plugin.loadcycle import (
     Action,
+    Cycle,
+    LayerRecord,
     computes_own_scales,
     decide,
     read_scale,
@@ -60,17 +62,17 @@ def test_only_per_token_head_modes_compute_their_own():
 
 
 def _cycle(tensors: dict[str, object], heads=None) -> tuple[dict, CorruptScales]:
-    """One load cycle through the loaders both hosts use: what each stored, what was refused."""
-    corrupt, stored = CorruptScales(), {}
+    """One load cycle through the loaders and records both hosts use (``<layer>.<kind>``
+    tensors): what the layers' records hold, and what the cycle refused."""
+    cycle = Cycle()
+    records: dict[str, LayerRecord] = {}
     for name, value in tensors.items():
-        loader = scale_loader(
-            corrupt,
-            lambda name=name: name,
-            heads,
-            lambda _p, vals, n=name: stored.update({n: vals}),
-        )
+        layer, kind = name.rsplit(".", 1)
+        record = records.get(layer) or records.setdefault(layer, cycle.record(layer, heads=heads))
+        loader = scale_loader(record, kind, heads)
         loader(torch.zeros(()), torch.as_tensor(value, dtype=torch.float32), "shard-id")
-    return stored, corrupt
+    stored = {f"{r.name}.{kind}": v for r in records.values() for kind, v in r.loaded.items()}
+    return stored, cycle.refused()[0]
 
 
 def test_a_load_with_new_scales_serves_them():
@@ -103,7 +105,8 @@ def test_a_corrupt_scale_is_refused_at_start_and_kept_back_in_a_reload(reload):
 def test_a_corrupt_scale_a_bf16_cache_does_not_use_changes_nothing_but_is_flagged(reload):
     out = decide(serves=False, reload=reload, corrupt=True, k=(2.0,), v=None)
     assert out.action is Action.SERVE and out.resolved == unscaled() and out.unused_corrupt
-    assert "these corrupt ones are not served" in unused_corrupt_message(_cycle({"x": -1.0})[1])
+    corrupt = _cycle({"l0.k_scale": -1.0})[1]
+    assert "these corrupt ones are not served" in unused_corrupt_message(corrupt)
 
 
 def test_a_reload_without_scales_keeps_those_in_force():
@@ -124,11 +127,11 @@ def test_one_kv_scale_serves_k_and_v_and_fnuz_doubles_once():
 def test_per_head_loads_keep_this_ranks_heads_and_check_every_head():
     layout = HeadLayout.place(4, 2, [(1, 2)], total_q=8)
     assert layout.heads == (2, 3)
-    stored, corrupt = _cycle({"k": [[[1.0]], [[2.0]], [[3.0]], [[4.0]]]}, layout)
-    assert stored == {"k": (3.0, 4.0)} and not corrupt
+    stored, corrupt = _cycle({"l0.k_scale": [[[1.0]], [[2.0]], [[3.0]], [[4.0]]]}, layout)
+    assert stored == {"l0.k_scale": (3.0, 4.0)} and not corrupt
     # A bad head another rank serves is still this cycle's problem.
-    stored, corrupt = _cycle({"k": [0.0, 2.0, 3.0, 4.0]}, layout)
-    assert stored == {} and list(corrupt.as_mapping()) == ["k[head 0]"]
+    stored, corrupt = _cycle({"l0.k_scale": [0.0, 2.0, 3.0, 4.0]}, layout)
+    assert stored == {} and list(corrupt.as_mapping()) == ["l0.k_scale[head 0]"]
 
 
 def test_a_per_query_head_q_scale_is_reduced_over_each_kv_heads_group():
@@ -152,3 +155,55 @@ def test_the_refusal_and_the_reload_warning_name_what_to_do():
     assert "every attention layer keeps the KV scales it had" in text and "SGLang" in text
     text = reload_without_scales_message([f"layer{i}" for i in range(6)])
     assert "layer0, layer1, layer2, layer3, ... (6 layers)" in text
+
+
+# --- the cycle object the config owns: records, refusals read once, the INFO line ---------
+
+
+def test_the_cycles_refusals_are_gathered_once_until_a_loader_changes_a_record():
+    cycle = Cycle()
+    records = [cycle.record(f"l{i}") for i in range(3)]
+    for record in records:
+        scale_loader(record, "k_scale", None)(torch.zeros(()), torch.tensor(2.0))
+    first = cycle.refused()
+    assert not first[0] and cycle.refused() is first  # no layer walked again
+    scale_loader(records[2], "v_scale", None)(torch.zeros(()), torch.tensor(math.inf))
+    kv, q = cycle.refused()
+    assert kv is not first[0] and list(kv.as_mapping()) == ["l2.v_scale"] and not q
+    # A query scale goes apart (only hosts that quantize queries refuse it).
+    scale_loader(records[0], "q_scale", None)(torch.zeros(()), torch.tensor(-1.0))
+    assert list(cycle.refused()[1].as_mapping()) == ["l0.q_scale"]
+    # A new cycle for layer 2 forgets what it refused; the layers that share a cache are
+    # left out (their own scales are unused: warned about, never refused).
+    records[2].start()
+    records[1].target = "l0"
+    scale_loader(records[1], "k_scale", None)(torch.zeros(()), torch.tensor(math.nan))
+    assert not cycle.refused()[0] and records[1].corrupt
+
+
+def test_a_host_that_knows_targets_late_is_asked_when_refusals_are_gathered():
+    targets = {"l1": "l0"}
+    cycle = Cycle(target_of=lambda record: targets.get(record.name))
+    sharer = cycle.record("l1")
+    scale_loader(sharer, "k_scale", None)(torch.zeros(()), torch.tensor(0.0))
+    assert not cycle.refused()[0] and sharer.target == "l0"
+
+
+def test_a_record_serves_reports_its_source_and_the_last_layer_ends_the_cycle(caplog):
+    cycle = Cycle()
+    a, b = cycle.record("a"), cycle.record("b", target="a")
+    for record in (a, b):
+        cycle.built(record.name)
+    scale_loader(a, "k_scale", None)(torch.zeros(()), torch.tensor(3.0))
+    resolved = decide(
+        serves=True, reload=False, corrupt=False, k=a.value("k_scale"), v=None
+    ).resolved
+    a.served(resolved)
+    assert (a.loaded, a.source, a.resolved.v) == ({"k_scale": (3.0,)}, "duplicated", 3.0)
+    with caplog.at_level("INFO", logger="kvscale_plugin"):
+        assert cycle.done(a, "fp8_e4m3") is False
+        assert [(r.name, s.k) for r, s in cycle.sharing_records()] == [("b", 3.0)]
+        b.served(resolved, "shared")
+        assert cycle.done(b, "fp8_e4m3") is True
+    assert "2 attention layer(s) loaded, KV cache fp8_e4m3" in caplog.text
+    assert "1 reading another layer's cache" in caplog.text

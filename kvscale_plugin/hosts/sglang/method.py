@@ -22,6 +22,8 @@ decides policy.
   validates every head, keeps this TP rank's heads (``layer.kvscale_k_heads`` /
   ``kvscale_v_heads``, placed by ``heads.HeadLayout``) and serves each layer with the max
   over them, so nothing clips.
+* Per-load state: one ``loadcycle.LayerRecord`` per ``RadixAttention``
+  (``layer.kvscale_record``), the same as vLLM's, in the config's ``loadcycle.Cycle``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +46,6 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.hosts._common import (
-    LoadCycle,
     announce_verdict,
     claims_checkpoint,
     no_checkpoint_config_error,
@@ -61,20 +61,17 @@ from kvscale_plugin.hosts.sglang.backends import (
     configured_attention_backends,
     judge_attention_backends,
 )
-from kvscale_plugin.hosts.sglang.shared import finish_cycle, serve_target, sharing_target
+from kvscale_plugin.hosts.sglang.shared import serve_target, sharing_target
 from kvscale_plugin.loadcycle import (
     ZERO_POINT_NAMES,
     Action,
+    Cycle,
+    LayerRecord,
     decide,
     refused_reload_message,
     serves_checkpoint_scales,
 )
-from kvscale_plugin.scales import (
-    SENTINEL,
-    CorruptScaleError,
-    CorruptScales,
-    ResolvedScales,
-)
+from kvscale_plugin.scales import SENTINEL, CorruptScaleError, CorruptScales, ResolvedScales
 from kvscale_plugin.scheme import SchemeVerdict
 from kvscale_plugin.sharing import SHARED_SOURCE, SharedLayers
 
@@ -146,8 +143,6 @@ class KVScaleConfig(CompressedTensorsConfig):
         hf_config = self.config.get("hf_config") if isinstance(self.config, dict) else None
         self.hf_config: Any = hf_config
         self.model_type: str | None = getattr(hf_config, "model_type", None)
-        # Checkpoint tensors whose loaded value cannot be served: name -> why.
-        self.corrupt_scales = CorruptScales()
         # SGLang parameter name -> the checkpoint tensor it was loaded from (as on disk):
         # errors name the file's tensor (filled by patches' name mapping).
         self.checkpoint_names: dict[str, str] = {}
@@ -163,11 +158,12 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.caller_reports_refusal = False
         # Layers that read another layer's cache: what their own checkpoint scales were.
         self.shared = SharedLayers()
-        self._layer_states: weakref.WeakValueDictionary[str, _LayerState] = (
+        # The layers' records (what each cycle loaded, refused and serves), the INFO line
+        # of each cycle, and the layers themselves (sharers are re-synced at its end).
+        self.cycle = Cycle()
+        self._layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
-        # One INFO line per load cycle: what the layers were given.
-        self._load_cycle = LoadCycle()
 
     @property
     def kv_cache_quant_algo(self) -> str | None:  # type: ignore[override]
@@ -248,39 +244,6 @@ def _head_placement(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout | 
     return HeadLayout.place(total, per_rank, layouts)
 
 
-@dataclass(eq=False)
-class _LayerState:
-    """What one attention layer's scales came from, across loads and reloads."""
-
-    name: str
-    # attn_head schemes: where this rank's heads sit in the checkpoint's per-head scales.
-    placement: HeadLayout | None = None
-    # Scales written by the checkpoint in the current load cycle (name -> value; a
-    # tuple of this rank's heads for per-head schemes).
-    pending: dict[str, float | tuple[float, ...]] = field(default_factory=dict)
-    # The last checkpoint values a load served from (what the scales in force came from).
-    raw: dict[str, float | tuple[float, ...]] | None = None
-    # The scales in force (None until the layer is first processed: then a load is a reload).
-    resolved: ResolvedScales | None = None
-    # Host-side copies kept equal to the served scales (e.g. Qwen3's fused CPU scales).
-    mirrors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # Checkpoint tensor loaded into a scale whose name is not this layer's own (an MTP
-    # draft layer: ``mtp.layers.0.self_attn.k_scale`` into ``model.layers.0.attn``),
-    # so that a bad value is reported under the name the checkpoint gives it.
-    checkpoint_names: dict[str, str] = field(default_factory=dict)
-
-    # A layer that reads another layer's KV cache (Gemma-3n / Gemma-4): that layer's name
-    # (hosts.sglang.shared), what its own loaders refused (unused, so only warned about),
-    # and the layer itself (its scales are re-synced at the end of each cycle).
-    target: str | None = None
-    own_corrupt: CorruptScales = field(default_factory=CorruptScales)
-    layer: Callable[[], torch.nn.Module | None] = lambda: None
-
-    def tensor_name(self, kind: str) -> str:
-        """The name problems with scale ``kind`` (``k_scale`` / ``v_scale``) are reported by."""
-        return self.checkpoint_names.get(kind, f"{self.name}.{kind}")
-
-
 class KVScaleKVCacheMethod(BaseKVCacheMethod):
     """Per-layer KV scales: sentinel placeholders, checkpoint-first resolution.
 
@@ -300,24 +263,18 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 
     def create_weights(self, layer: torch.nn.Module) -> None:
         cfg = self.quant_config
-        state = _LayerState(self.layer_name, placement=_head_placement(cfg, layer))
-        state.target = sharing_target(self.layer_name, layer, cfg._layer_states)
-        state.layer = weakref.ref(layer)
-        layer.kvscale_state = state
-        cfg._layer_states[self.layer_name] = state
-        cfg._load_cycle.built(self.layer_name)
+        record = cfg.cycle.record(self.layer_name, heads=_head_placement(cfg, layer))
+        record.target = sharing_target(self.layer_name, layer, cfg.cycle.records)
+        layer.kvscale_record = record
+        cfg._layers[self.layer_name] = layer
+        cfg.cycle.built(self.layer_name)
         for name in _SCALE_NAMES:
             # float32 explicitly: SGLang builds layers under the model's default
             # dtype (bf16), which would round a calibrated 3.8649 to 3.8594.
             param = torch.nn.Parameter(
                 torch.tensor(SENTINEL, dtype=torch.float32), requires_grad=False
             )
-            param.weight_loader = scale_loader(
-                state.own_corrupt if state.target else cfg.corrupt_scales,
-                lambda kind=name: state.tensor_name(kind),
-                state.placement,
-                _recorder(state, name),
-            )
+            param.weight_loader = scale_loader(record, name, record.heads)
             # One number per layer even for per-head schemes: SGLang's cache writes
             # divide by it and its backends broadcast it (see the module docstring).
             param._skip_weight_check = True  # SGLang's weight checker: not a model weight
@@ -339,23 +296,17 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
         # SGLang calls this before every update_weights_from_disk / weight sync: a new
         # load cycle starts. Served tensors keep their values until post-processing.
-        state: _LayerState | None = getattr(layer, "kvscale_state", None)
-        if state is None:
-            return
-        state.pending.clear()
-        state.own_corrupt.clear()
-        self.quant_config._load_cycle.built(state.name)
-        for name in _SCALE_NAMES:
-            self.quant_config.corrupt_scales.forget(f"{state.name}.{name}")
-            self.quant_config.corrupt_scales.forget(state.tensor_name(name))
+        record = layer_record(layer)
+        if record is not None:
+            record.start()
+            self.quant_config.cycle.built(record.name)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        state: _LayerState | None = getattr(layer, "kvscale_state", None)
-        if state is None:
+        record = layer_record(layer)
+        if record is None:
             return
         cfg = self.quant_config
-        loaded = dict(state.pending)
-        state.pending.clear()
+        loaded = dict(record.loaded)
 
         # The one policy (loadcycle.py); SGLang builds no KV method without a scheme.
         requested = _requested_kv_cache_dtype() or "auto"
@@ -365,28 +316,28 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             if verdict.action is BackendAction.REFUSE:
                 raise ValueError(verdict.message)
         pool = "fp8" if applies else requested
-        target = cfg._layer_states.get(state.target) if state.target else None
+        target = cfg.cycle.records.get(record.target) if record.target else None
         if target is not None:  # reads the target's cache: serves the target's scales
-            own = state.own_corrupt
-            resolved = serve_target(cfg.shared, state, target, loaded, own, cfg.checkpoint_names)
-            _write_scales(layer, state, resolved)
-            layer.kvscale_source = SHARED_SOURCE
-            cfg._load_cycle.done(state.name, resolved, pool, source=SHARED_SOURCE)
-            if not cfg._load_cycle.pending:
+            resolved = serve_target(cfg.shared, record, target, loaded, cfg.checkpoint_names)
+            record.loaded.clear()
+            _write_scales(layer, record, resolved)
+            record.served(resolved, SHARED_SOURCE)
+            if cfg.cycle.done(record, pool):
                 _end_cycle(cfg)
             return
-        corrupt = cfg.corrupt_scales.renamed(cfg.checkpoint_names)
+        corrupt = cfg.cycle.refused()[0].renamed(cfg.checkpoint_names)
         # The one rule for both hosts (loadcycle.decide).
         outcome = decide(
             serves=applies,
-            reload=state.resolved is not None,
+            reload=record.resolved is not None,
             corrupt=bool(corrupt),
-            k=_values(loaded.get("k_scale")),
-            v=_values(loaded.get("v_scale")),
+            k=loaded.get("k_scale"),
+            v=loaded.get("v_scale"),
             fnuz=is_fp8_fnuz(),
         )
         if outcome.action is Action.REFUSE:
             raise CorruptScaleError(corrupt.message())
+        record.loaded.clear()
         if outcome.unused_corrupt:
             warn_unused_corrupt(corrupt)
         if outcome.action is Action.KEEP:
@@ -397,38 +348,33 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             if outcome.refused:
                 cfg.refused.update(corrupt)
             if outcome.carried_none:
-                cfg.kept_without_scales.add(state.name)
-            resolved = state.resolved
-            assert resolved is not None
+                cfg.kept_without_scales.add(record.name)
         else:
             resolved = outcome.resolved
             assert resolved is not None
             if loaded and not outcome.unused_corrupt:
-                state.raw = loaded  # a cycle with a corrupt tensor never becomes the record
+                record.raw = loaded  # a cycle with a corrupt tensor never becomes the record
             # No load through load_weights yet (dummy load, e.g. for RL: the real
             # weights come with a later reload): no checkpoint to miss scales from.
             if outcome.missing and cfg.weight_loads > 0:
                 _warn_missing_scales(cfg)
             if resolved.per_head:
                 _announce_per_layer_max()
-            _write_scales(layer, state, resolved)
-            state.resolved = resolved
-            layer.kvscale_source = resolved.source.value
-        cfg._load_cycle.done(state.name, resolved, pool)
-        if not cfg._load_cycle.pending:
+            _write_scales(layer, record, resolved)
+            record.served(resolved)
+        if cfg.cycle.done(record, pool):
             _end_cycle(cfg)
 
 
 def _end_cycle(cfg: KVScaleConfig) -> None:
-    """Every layer of the cycle processed: sharing layers re-synced with their targets;
-    say once what the reload kept."""
-
-    def write(state: _LayerState, resolved: ResolvedScales) -> None:
-        layer = state.layer()
+    """Every layer of the cycle processed: sharing layers re-synced with their targets and
+    what they shipped said once; say once what the reload kept."""
+    for record, resolved in cfg.cycle.sharing_records():
+        layer = cfg._layers.get(record.name)
         if layer is not None:
-            _write_scales(layer, state, resolved)
-
-    finish_cycle(cfg.shared, cfg._layer_states, write)
+            _write_scales(layer, record, resolved)
+    for i, message in enumerate(cfg.shared.warnings()):
+        warn_once(f"sglang-shared-kv-{i}", "%s", message)
     if cfg.kept_without_scales:
         warn_reload_without_scales(cfg.kept_without_scales)
         cfg.kept_without_scales.clear()
@@ -437,12 +383,6 @@ def _end_cycle(cfg: KVScaleConfig) -> None:
         # end_weight_update): SGLang's session answers "Success" whatever its quant
         # methods found, so the refusal can only be logged.
         logger.error("%s", refused_reload_message(cfg.take_refusal(), "SGLang"))
-
-
-def _values(value: float | tuple[float, ...] | None) -> tuple[float, ...] | None:
-    if value is None:
-        return None
-    return value if isinstance(value, tuple) else (value,)
 
 
 def _announce_per_layer_max() -> None:
@@ -456,30 +396,19 @@ def _announce_per_layer_max() -> None:
     )
 
 
-def _write_scales(layer: torch.nn.Module, state: _LayerState, resolved: ResolvedScales) -> None:
+def _write_scales(layer: torch.nn.Module, record: LayerRecord, resolved: ResolvedScales) -> None:
     """Update the served tensors in place (backends and CUDA graphs hold them), then copies."""
     k, v = resolved.k, resolved.v
     with torch.no_grad():
         layer.k_scale.data.fill_(k)
         layer.v_scale.data.fill_(v)
-        for k_copy, v_copy in state.mirrors:
+        for k_copy, v_copy in record.mirrors:
             k_copy.fill_(k)
             v_copy.fill_(v)
     layer.k_scale_float = k
     layer.v_scale_float = v
     layer.kvscale_k_heads = resolved.k_heads
     layer.kvscale_v_heads = resolved.v_heads
-
-
-def _recorder(state: _LayerState, kind: str) -> Callable[[torch.Tensor, tuple[float, ...]], None]:
-    """Where a scale loader puts what it read: the layer's record of the current cycle
-    (one value per-tensor, this rank's heads per-head). The served tensors change only
-    when the cycle is processed (``process_weights_after_loading``)."""
-
-    def record(_param: torch.Tensor, values: tuple[float, ...]) -> None:
-        state.pending[kind] = values if state.placement is not None else values[0]
-
-    return record
 
 
 def _requested_kv_cache_dtype() -> str | None:
@@ -517,9 +446,14 @@ def _backend_verdict() -> BackendVerdict:
 def _warn_missing_scales(cfg: KVScaleConfig) -> None:
     warn_missing_scales(
         name
-        for name, state in cfg._layer_states.items()
-        if not state.pending and not state.raw and not state.target
+        for name, record in cfg.cycle.records.items()
+        if not record.loaded and not record.raw and not record.target
     )
+
+
+def layer_record(layer: Any) -> LayerRecord | None:
+    """A ``RadixAttention``'s load-cycle state, or None for a layer kvscale does not serve."""
+    return getattr(layer, "kvscale_record", None)
 
 
 def register_quantization() -> None:

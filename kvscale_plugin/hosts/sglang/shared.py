@@ -4,12 +4,13 @@
 SGLang 0.5.23 builds a sharing layer's ``RadixAttention`` with its *target's* ``layer_id``
 (``models/gemma3n_causal.py``, ``models/gemma4_causal.py``: it reads the target's KV-pool
 slot and writes nothing) and with ``quant_config``, so kvscale's KV method gives it
-placeholders of its own, under its own name (``model.layers.N.self_attn.attn``). The
+placeholders of its own, under its own name (``model.layers.N.self_attn.attn``), and a
+record whose ``target`` is that layer. The
 backends that apply KV scales (triton, intel_amx) dequantize the target's FP8 bytes with
 the sharer's own ``k_scale`` / ``k_scale_float``: 1.0 in stock SGLang, or whatever the
 checkpoint ships under the sharer's name. kvscale serves the target's resolved scales
 instead, when the sharer is processed (targets come first in SGLang's module order) and
-again at the end of every load cycle.
+again at the end of every load cycle (``method._end_cycle``).
 
 A layer shares when the layer index in its name differs from its ``layer_id`` and a layer
 of that index was built (a draft's layer whose ``layer_id`` is past the stack, as MTP
@@ -21,11 +22,11 @@ SGLang rebinds its layers' ``layer_id`` after the KV pool is allocated
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from kvscale_plugin._log import warn_once
-from kvscale_plugin.scales import CorruptScales, ResolvedScales, unscaled
+from kvscale_plugin.loadcycle import LayerRecord
+from kvscale_plugin.scales import ResolvedScales, unscaled
 from kvscale_plugin.sharing import SharedLayers
 
 _INDEX = re.compile(r"layers\.(\d+)\.")
@@ -43,39 +44,20 @@ def sharing_target(name: str, layer: Any, built: Mapping[str, Any]) -> str | Non
 
 def serve_target(
     notes: SharedLayers,
-    state: Any,
-    target: Any,
-    loaded: Mapping[str, float | tuple[float, ...]],
-    own_corrupt: CorruptScales,
+    record: LayerRecord,
+    target: LayerRecord,
+    loaded: Mapping[str, tuple[float, ...]],
     on_disk: Mapping[str, str],
 ) -> ResolvedScales:
     """What a sharing layer serves (its target's scales in force; unscaled until the
     target served), noting what the checkpoint shipped under the layer's own name
-    (corrupt tensors named as on disk: ``on_disk``, parameter -> checkpoint name)."""
-    resolved = getattr(target, "resolved", None) or unscaled()
-
-    def values(kind: str) -> tuple[float, ...] | None:
-        value = loaded.get(kind)
-        return None if value is None else value if isinstance(value, tuple) else (value,)
-
-    notes.note_own_scales(state.name, target.name, values("k_scale"), values("v_scale"), resolved)
-    if own_corrupt:
-        notes.note_unused_corrupt(own_corrupt.renamed(on_disk).as_mapping())
-        own_corrupt.clear()
+    (``loaded``) and what its loaders refused there (named as on disk: ``on_disk``,
+    parameter -> checkpoint name): unused, so only warned about at the cycle's end."""
+    resolved = target.resolved or unscaled()
+    notes.note_own_scales(
+        record.name, target.name, loaded.get("k_scale"), loaded.get("v_scale"), resolved
+    )
+    if record.corrupt:
+        notes.note_unused_corrupt(record.corrupt.renamed(on_disk).as_mapping())
+        record.corrupt.clear()
     return resolved
-
-
-def finish_cycle(
-    notes: SharedLayers,
-    states: Mapping[str, Any],
-    write: Callable[[Any, ResolvedScales], None],
-    scope: str = "",
-) -> None:
-    """At the end of a load cycle: every sharing layer holds what its target serves now
-    (``write(state, resolved)``), then the notes, once per engine and cause."""
-    for state in list(states.values()):
-        target = states.get(state.target) if state.target else None
-        if target is not None and target.resolved is not None:
-            write(state, target.resolved)
-    for i, message in enumerate(notes.warnings()):
-        warn_once(f"{scope}sglang-shared-kv-{i}", "%s", message)

@@ -36,8 +36,8 @@ with one warning.
 comparisons); ``rne`` (default) selects kvscale's, compiled where possible;
 ``rne-torch`` kvscale's in plain torch. Read when a layer first writes.
 
-Routes (``model_write_routes``) name the implementation and the layout: ``"c:vec"``,
-``"torch:vec"``; None is vLLM's write.
+Each impl keeps the route it took per input dtype (``_route``), named by implementation
+and layout: ``"c:vec"``, ``"torch:vec"``; None is vLLM's write.
 """
 
 from __future__ import annotations
@@ -473,15 +473,3 @@ def layout_matches_vllm(
         logger.debug("kvscale: layout check for %s failed: %s", isa, exc)
         return False
     return torch.equal(ours, theirs)
-
-
-def model_write_routes(model: torch.nn.Module) -> dict[str, dict[str, str | None]]:
-    """``llm.apply_model`` target (importable, so it works across processes): per
-    attention layer, the cache write each input dtype was routed to so far
-    (``"c:vec"`` / ``"torch:vec"``: kvscale's write, compiled / plain torch; None:
-    vLLM's)."""
-    return {
-        name: {str(dtype): layout for dtype, layout in routes.items()}
-        for name, m in model.named_modules()
-        if (routes := getattr(getattr(m, "impl", None), _ROUTE_ATTR, None)) is not None
-    }

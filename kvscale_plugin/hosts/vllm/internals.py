@@ -488,16 +488,9 @@ class Report:
     """What ``check`` found: per feature, the problems of its required targets."""
 
     problems: dict[str, list[str]]
-    checked: dict[str, int]
 
     def available(self, feature: str) -> bool:
         return not self.problems.get(feature)
-
-    def lost(self) -> list[str]:
-        return [f for f in FEATURES if self.problems.get(f)]
-
-    def held(self) -> list[str]:
-        return [f for f in FEATURES if not self.problems.get(f)]
 
 
 def check(internals: Iterable[Internal] | None = None) -> Report:
@@ -505,7 +498,6 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
 
     Every feature needs ``scales``; without it all are reported lost."""
     problems: dict[str, list[str]] = {f: [] for f in FEATURES}
-    checked: dict[str, int] = {f: 0 for f in FEATURES}
     on_cpu: bool | None = None
     for internal in INTERNALS if internals is None else internals:
         if internal.lazy or not internal.required:
@@ -514,14 +506,13 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
             on_cpu = _on_cpu() if on_cpu is None else on_cpu
             if not on_cpu:
                 continue
-        checked[internal.feature] += 1
         if (why := problem(internal)) is not None:
             problems[internal.feature].append(f"{internal.target} ({internal.purpose}): {why}")
     if problems["scales"]:
         for feature in FEATURES:
             if feature != "scales" and not problems[feature]:
                 problems[feature].append("needs the 'scales' feature")
-    return Report(problems, checked)
+    return Report(problems)
 
 
 #: Features active in this process (installed when it builds a kvscale engine).

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvscale_plugin.loadcycle import Cycle, LayerRecord
 from kvscale_plugin.scales import CorruptScales
 from kvscale_plugin.scheme import SchemeVerdict
 
@@ -33,6 +34,7 @@ class EngineConfig(Protocol):
     total_num_heads: int | None
     unmapped_scales: set[str]
     mtp_scales_seen: set[str]
+    cycle: Cycle
 
     def on_disk(self, corrupt: CorruptScales) -> CorruptScales: ...
 
@@ -55,31 +57,12 @@ def kvscale_config(layer: Any) -> EngineConfig | None:
     return layer.quant_method.quant_config if is_kvscale_layer(layer) else None
 
 
-# Per-load state lives on the attention layer, where vLLM keeps its own (the KV method's
-# placeholders, ``_k_scale``...): every reload path finds the layer object again, whatever
-# it re-creates around it. These attributes are kvscale's:
-#
-#   kvscale_corrupt / kvscale_corrupt_q -- what this layer's weight loaders refused in the
-#       current load cycle (k/v, q), kept until the cycle is checked;
-#   kvscale_source -- where the served scales came from (set once the layer served: a
-#       later call of the KV method is a reload);
-#   kvscale_refused -- the KV method kept the previous scales of a reload it refused;
-#   kvscale_reloaded -- the KV method processed this layer in the reload being checked.
-
-
-def layer_records(layer: Any) -> tuple[CorruptScales, CorruptScales]:
-    """The layer's corrupt-scale records (k/v, q), created once for the layer's lifetime
-    (its weight loaders, re-created by every reload, all write into the same two)."""
-    records = layer.__dict__.get("kvscale_corrupt")
-    if records is None:
-        layer.kvscale_corrupt = records = CorruptScales()
-        layer.kvscale_corrupt_q = CorruptScales()
-    return records, layer.kvscale_corrupt_q
-
-
-def has_served(layer: Any) -> bool:
-    """Whether the KV method has served this layer before (its next load is a reload)."""
-    return layer.__dict__.get("kvscale_source") is not None
+def layer_record(layer: Any) -> LayerRecord | None:
+    """The layer's load-cycle state (``loadcycle.LayerRecord``, ``kvscale_record``), or
+    None for a layer kvscale never served. It lives on the attention layer, where vLLM
+    keeps its own (the KV method's placeholders, ``_k_scale``...): every reload path finds
+    the layer object again, whatever it re-creates around it."""
+    return layer.__dict__.get("kvscale_record")
 
 
 def layer_serves_checkpoint_scales(verdict: SchemeVerdict, layer: Any) -> bool:

@@ -33,7 +33,6 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import (
-    LoadCycle,
     announce_verdict,
     claims_checkpoint,
     no_checkpoint_config_error,
@@ -47,8 +46,7 @@ from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import (
     DRAFT_SCOPE,
     HOST,
-    has_served,
-    layer_records,
+    layer_record,
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
@@ -64,6 +62,8 @@ from kvscale_plugin.hosts.vllm.shared import (
 from kvscale_plugin.loadcycle import (
     ZERO_POINT_NAMES,
     Action,
+    Cycle,
+    LayerRecord,
     computes_own_scales,
     decide,
     dynamic_scales_notice,
@@ -160,7 +160,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
-        self._load_cycle = LoadCycle()
+        self.cycle = self._new_cycle()
         _activate()
 
     # The config travels to the engine-core / worker processes by pickle; the
@@ -168,15 +168,21 @@ class KVScaleConfig(CompressedTensorsConfig):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_attention_layers", None)
-        state.pop("_load_cycle", None)
+        state.pop("cycle", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._attention_layers = weakref.WeakValueDictionary()
-        self._load_cycle = LoadCycle()
+        self.cycle = self._new_cycle()
         _activate()  # an engine-core / worker process of a kvscale engine
         self._route_drafts()
+
+    def _new_cycle(self) -> Cycle:
+        """This process's load cycles; a layer's cache target is read off the layer
+        (vLLM sets it after the KV method built the layer's placeholders)."""
+        layers = self._attention_layers
+        return Cycle(target_of=lambda record: sharing_target(layers.get(record.name)))
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANTIZATION_METHOD
@@ -300,15 +306,16 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         check_deployment()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         cfg._attention_layers[layer_name] = layer
-        cfg._load_cycle.built(layer_name)
-        # A new load cycle for this layer: what an earlier cycle found corrupt is moot
-        # (vLLM's layerwise reload replays the loaders after this). Records the MTP
-        # routing filed under a checkpoint name stay until the reload check reads them.
-        corrupt, corrupt_q = layer_records(layer)
-        corrupt.forget_under(layer_name)
-        corrupt_q.forget_under(layer_name)
-        heads = head_layout(cfg, layer) if cfg.kv_verdict.per_head else None
-        layer.kvscale_heads = heads.local if heads is not None else None
+        record = layer_record(layer)
+        if record is None:  # the layer's record, for its lifetime
+            heads = head_layout(cfg, layer) if cfg.kv_verdict.per_head else None
+            layer.kvscale_record = record = cfg.cycle.record(layer_name, heads=heads)
+        # A new load cycle for this layer (vLLM's layerwise reload replays the loaders
+        # after this). Records the MTP routing filed under a checkpoint name stay until
+        # the reload check reads them.
+        record.start()
+        cfg.cycle.built(layer_name)
+        heads = record.heads
         for name in _SCALE_NAMES:
             per_head = heads is not None and name != "prob_scale"
             # float32 explicitly: vLLM builds layers under the model's default dtype
@@ -317,13 +324,8 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 torch.full((heads.local,) if per_head else (), SENTINEL, dtype=torch.float32),
                 requires_grad=False,
             )
-            tensor_name = f"{layer_name}.{name}"
             param.weight_loader = scale_loader(
-                corrupt_q if name == "q_scale" else corrupt,
-                lambda tensor_name=tensor_name: tensor_name,
-                heads if per_head else None,
-                _store_loaded,
-                is_query=name == "q_scale",
+                record, name, heads if per_head else None, into_param=True
             )
             # A dummy load must leave the placeholder, not tiny random "scales".
             param.dummy_weight_value = SENTINEL
@@ -335,43 +337,37 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             setattr(layer, name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if is_weights_pre_processed():
+        record = layer_record(layer)
+        if is_weights_pre_processed() or record is None:
             BaseKVCacheMethod.process_weights_after_loading(self, layer)
             return
-        layer_name = getattr(layer, "layer_name", type(layer).__name__)
-        if sharing_target(layer) is not None:
+        cfg = self.quant_config
+        record.target = sharing_target(layer)
+        if record.target is not None:
             # Reads another layer's cache: serves that layer's scales (sharing.py), also
             # in a reload that re-created nothing here (the target's may have changed).
             built = hasattr(layer, "k_scale")
-            own = tuple(_loaded_value(getattr(layer, n)) if built else None for n in _KV)
-            resolved = serve_target_scales(self.quant_config, layer, layer_name, own)
-            self._finish(layer, layer_name, resolved, SHARED_SOURCE, counted=built)
+            own = (record.value("k_scale"), record.value("v_scale"))
+            resolved = serve_target_scales(cfg, layer, record, own)
+            self._finish(layer, record, resolved, SHARED_SOURCE, counted=built)
             return
         if not hasattr(layer, "k_scale"):
             return  # placeholders already consumed (e.g. a reload that carried no scales)
 
-        cfg = self.quant_config
         if cfg.unmapped_scales:
             warn_unmapped_scales(cfg.unmapped_scales, cfg.warn_scope)
-        loaded = {name: _loaded_value(getattr(layer, name)) for name in _SCALE_NAMES}
+        loaded = {name: record.value(name) for name in _SCALE_NAMES}
         applies = layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
         if computes_own_scales(layer.kv_cache_dtype):
             info_once(f"{cfg.warn_scope}dynamic", dynamic_scales_notice(layer.kv_cache_dtype))
-        reload = has_served(layer)
-        layer.kvscale_reloaded = reload
+        reload = record.resolved is not None
+        record.reloaded = reload
         # Every layer of this model loaded before any is processed: the cycle's refusals
-        # are read from all of them (one error names every bad tensor).
-        corrupt = CorruptScales()
-        corrupt_q = CorruptScales()
-        for other in cfg.attention_layers():
-            if sharing_target(other) is not None:
-                continue  # its own scales are unused: warned about, never refused
-            records, q_records = layer_records(other)
-            corrupt.update(records)
-            corrupt_q.update(q_records)
+        # (read once per cycle) come from all of them (one error names every bad tensor).
+        corrupt, corrupt_q = cfg.cycle.refused()
         if corrupt_q:
             if applies and reads_q_scale(layer):
-                corrupt.update(corrupt_q)  # refused with k/v below
+                corrupt = CorruptScales.union(corrupt, corrupt_q)  # refused with k/v below
             else:
                 warn_unread_q_scales(cfg, corrupt_q)
         fnuz = current_platform.is_fp8_fnuz()
@@ -394,16 +390,16 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             # layerwise reload half done (later layers unprocessed); the worker's reload
             # entry point refuses the reload once vLLM has finished, or says once that it
             # carried no scales (``reload.check_reload``).
-            layer.kvscale_refused = outcome.refused
-            layer.kvscale_reloaded = not outcome.carried_none
-            self._drop_placeholders(layer)
+            record.refused = outcome.refused
+            record.reloaded = not outcome.carried_none
+            self._drop_placeholders(layer, record)
             return
 
         resolved = outcome.resolved
         assert resolved is not None
         if applies:
             if outcome.missing and cfg.kv_verdict.declared and not _is_dummy_load():
-                _warn_missing_scales(cfg, draft=getattr(layer, "kvscale_draft", False))
+                _warn_missing_scales(cfg, draft=record.draft)
             # As stock vLLM: a q scale only when the checkpoint has one, else 1.0.
             factor = 2.0 if fnuz else 1.0
             q = loaded["q_scale"]
@@ -422,46 +418,40 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             prob = 1.0
 
         write_scales(layer, resolved, q_heads, prob)
-        self._finish(layer, layer_name, resolved, resolved.source.value)
+        self._finish(layer, record, resolved, resolved.source.value)
 
     def _finish(
         self,
         layer: torch.nn.Module,
-        layer_name: str,
+        record: LayerRecord,
         resolved: ResolvedScales,
         source: str,
         counted: bool = True,
     ) -> None:
         cfg = self.quant_config
-        layer.kvscale_source = source
-        layer.kvscale_refused = False
+        record.served(resolved, source)
         if "cpu-write" in internals.installed:
             from kvscale_plugin.hosts.vllm.cpu_write import serve_layer
 
             serve_layer(layer)
-        if counted:  # built in this load cycle (its INFO line counts it)
-            draft = getattr(layer, "kvscale_draft", False)
-            cfg._load_cycle.done(layer_name, resolved, str(layer.kv_cache_dtype), draft, source)
-            if not cfg._load_cycle.pending:
-                finish_load_cycle(cfg)
-        self._drop_placeholders(layer)
+        # Built in this load cycle: its INFO line counts it; the last one ends the cycle.
+        pool = str(layer.kv_cache_dtype)
+        if counted and cfg.cycle.done(record, pool, prefix="(MTP draft) " if record.draft else ""):
+            finish_load_cycle(cfg)
+        self._drop_placeholders(layer, record)
 
     @staticmethod
-    def _drop_placeholders(layer: torch.nn.Module) -> None:
-        """Like vLLM's own KV method of the same release: up to 0.33 the placeholders go
-        (a layerwise reload re-creates them); from 0.34 they stay, because its direct
-        reload (``VLLM_RELOAD_MODE=direct``) loads the checkpoint into them again."""
+    def _drop_placeholders(layer: torch.nn.Module, record: LayerRecord) -> None:
+        """What the cycle loaded is consumed. Like vLLM's own KV method of the same
+        release: up to 0.33 the placeholders go (a layerwise reload re-creates them); from
+        0.34 they stay, because its direct reload (``VLLM_RELOAD_MODE=direct``) loads the
+        checkpoint into them again."""
+        record.loaded.clear()
         if _keeps_placeholders():
             return
         for name in (*_SCALE_NAMES, *ZERO_POINT_NAMES):
             if hasattr(layer, name):
                 delattr(layer, name)
-
-
-def _store_loaded(param: torch.Tensor, values: tuple[float, ...]) -> None:
-    """What a scale loader read goes into the layer's placeholder (fresh each cycle)."""
-    param.data.copy_(torch.tensor(values, dtype=torch.float32).reshape(param.shape))
-    param.kvscale_loaded = True
 
 
 def _pipeline_parallel() -> bool:
@@ -482,26 +472,23 @@ def _is_dummy_load() -> bool:
     return config is not None and str(config.load_config.load_format) == "dummy"
 
 
-def _loaded_value(param: torch.Tensor) -> tuple[float, ...] | None:
-    """What the checkpoint wrote into a placeholder, or None when nothing was loaded."""
-    if not getattr(param, "kvscale_loaded", False):
-        return None
-    return tuple(float(x) for x in param.detach().float().reshape(-1).tolist())
-
-
 def _warn_missing_scales(cfg: KVScaleConfig, *, draft: bool = False) -> None:
-    # The target model's layers are processed (placeholders consumed) before an MTP
-    # draft is built, so a draft's warning lists its own layers, in its own warning.
-    warn_missing_scales(
-        (
-            name
-            for name, layer in cfg._attention_layers.items()
-            if hasattr(layer, "k_scale")
+    # The target model's layers are processed before an MTP draft is built, so a draft's
+    # warning lists its own layers, in its own warning: the layers of this cycle still to
+    # process (this one included) that loaded neither k nor v.
+    def missing(name: str, layer: torch.nn.Module) -> bool:
+        record = layer_record(layer)
+        return (
+            name in cfg.cycle.pending
+            and record is not None
             and sharing_target(layer) is None
             and layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
-            and not getattr(layer.k_scale, "kvscale_loaded", False)
-            and not getattr(layer.v_scale, "kvscale_loaded", False)
-        ),
+            and record.value("k_scale") is None
+            and record.value("v_scale") is None
+        )
+
+    warn_missing_scales(
+        (name for name, layer in cfg._attention_layers.items() if missing(name, layer)),
         f"{cfg.warn_scope}{DRAFT_SCOPE}" if draft else cfg.warn_scope,
     )
 

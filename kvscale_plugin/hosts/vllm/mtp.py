@@ -26,7 +26,7 @@ from kvscale_plugin.hosts.vllm.layers import (
     HOST,
     EngineConfig,
     is_kvscale_layer,
-    layer_records,
+    layer_record,
 )
 from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal
 
@@ -80,7 +80,9 @@ def _route_draft_scales(weights: Any, layers: list[torch.nn.Module], cfg: Engine
         if param is None or loader is None:
             unmapped.add(name)
             continue
-        records = layer_records(layers[ordinal])
+        record = layer_record(layers[ordinal])
+        assert record is not None  # built by kvscale's KV method
+        records = (record.corrupt, record.corrupt_q)
         for corrupt in records:
             corrupt.forget(name)  # what an earlier load of it said is moot
         loader(param, tensor)
@@ -133,7 +135,7 @@ def install_draft_routing() -> None:
         if not layers:
             return weights  # no kvscale KV method in this draft: stock behaviour
         for layer in layers:
-            layer.kvscale_draft = True
+            layer.kvscale_record.draft = True
         cfg = layers[0].quant_method.quant_config
         # The loader has already looked up ``model.load_weights`` for this load (Python
         # evaluates the callee before its argument, this stream): route this stream here,

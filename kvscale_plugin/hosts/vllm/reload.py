@@ -5,8 +5,8 @@ engines' ``start_weight_update`` / ``finish_weight_update`` used for RL weight s
 Where the check lives:
 
 * **On the layer, in the KV method** (vLLM's public extension point, called by every
-  reload mode): the weight loaders record a refused tensor on their layer
-  (``layers.layer_records``); ``process_weights_after_loading`` of a layer that has served
+  reload mode): the weight loaders record a refused tensor in their layer's record
+  (``loadcycle.LayerRecord``); ``process_weights_after_loading`` of a layer that has served
   before sees the whole model's records and, when any scale is corrupt, keeps the scales
   the layer had and marks it refused. It does not raise: it runs inside vLLM's layerwise
   finalize loop (``reload/layerwise.py``, ``finalize_layerwise_processing``), where an
@@ -41,11 +41,11 @@ from kvscale_plugin.hosts.vllm.layers import (
     EngineConfig,
     is_kvscale_layer,
     kvscale_config,
-    layer_records,
+    layer_record,
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
-from kvscale_plugin.loadcycle import refused_reload_message
+from kvscale_plugin.loadcycle import LayerRecord, refused_reload_message
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
 
@@ -57,8 +57,22 @@ def engine_layers(worker: Any) -> list[torch.nn.Module]:
     return [
         layer
         for layer in dict(context).values()
-        if is_kvscale_layer(layer) or getattr(layer, "kvscale_follows", False)
+        if is_kvscale_layer(layer) or layer_record(layer) is not None
     ]
+
+
+def _record(layer: torch.nn.Module) -> LayerRecord:
+    record = layer_record(layer)
+    assert record is not None  # engine_layers: every one has a record
+    return record
+
+
+def _records(layers: Iterable[torch.nn.Module]) -> list[LayerRecord]:
+    return [_record(layer) for layer in layers]
+
+
+def _is_draft(layer: torch.nn.Module) -> bool:
+    return _record(layer).draft
 
 
 def _uses_checkpoint_scales(layer: torch.nn.Module) -> bool:
@@ -78,11 +92,10 @@ def _configs(layers: Iterable[torch.nn.Module]) -> list[EngineConfig]:
 def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
     """The check has read this cycle: what it recorded is moot for the next one."""
     layers = list(layers)
-    for layer in layers:
-        for records in layer_records(layer):
-            records.clear()
-        layer.kvscale_reloaded = False
-        layer.kvscale_refused = False
+    for record in _records(layers):
+        record.corrupt.clear()
+        record.corrupt_q.clear()
+        record.reloaded = record.refused = False
     for cfg in _configs(layers):
         cfg.mtp_scales_seen.clear()
 
@@ -91,7 +104,7 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
     """After vLLM finished a reload of the target model (``draft=False``) or of the MTP
     draft: raise ``CorruptScaleError`` when any of its layers refused a scale; else report
     the layers it gave no scale tensor. Consumes the cycle's records either way."""
-    reloaded = [layer for layer in layers if bool(getattr(layer, "kvscale_draft", False)) == draft]
+    reloaded = [layer for layer in layers if _is_draft(layer) == draft]
     # vLLM's layerwise reload restores a layer that loaded nothing (one that reads
     # another layer's cache) without its KV method: it follows its target here.
     resync_sharing_layers(reloaded)
@@ -101,7 +114,7 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
             cfg = kvscale_config(layer)
             if cfg is not None and sharing_target(layer) is None:
                 served = _uses_checkpoint_scales(layer)
-                (corrupt if served else unused).update(cfg.on_disk(layer_records(layer)[0]))
+                (corrupt if served else unused).update(cfg.on_disk(_record(layer).corrupt))
         if unused:
             # The cache does not use them (bf16): nothing served changed (loadcycle.decide).
             cfg = kvscale_config(reloaded[0])
@@ -111,7 +124,7 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
         silent = [
             layer
             for layer in reloaded
-            if not getattr(layer, "kvscale_reloaded", False)
+            if not _record(layer).reloaded
             and sharing_target(layer) is None
             and kvscale_config(layer).kv_verdict.supported  # type: ignore[union-attr]
             and _uses_checkpoint_scales(layer)
@@ -134,8 +147,8 @@ def _warn_draft_not_reloaded(layers: list[torch.nn.Module]) -> None:
     kvscale is alive, say that it keeps the weights and scales it started with -- once per
     engine, also for a reload without MTP-layer scales (the draft's weights are then as
     stale), naming the reload's MTP-layer scale tensors if any."""
-    drafts = [layer for layer in layers if getattr(layer, "kvscale_draft", False)]
-    configs = _configs(layer for layer in layers if not getattr(layer, "kvscale_draft", False))
+    drafts = [layer for layer in layers if _is_draft(layer)]
+    configs = _configs(layer for layer in layers if not _is_draft(layer))
     if not drafts or not configs:
         return
     held = ", ".join(

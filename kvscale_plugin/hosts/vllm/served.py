@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvscale_plugin.heads import HeadLayout
-from kvscale_plugin.hosts.vllm.layers import EngineConfig
+from kvscale_plugin.hosts.vllm.layers import EngineConfig, layer_record
 from kvscale_plugin.scales import ResolvedScales
 
 
@@ -52,14 +52,16 @@ def write_kv_scales(layer: torch.nn.Module, resolved: ResolvedScales) -> None:
     cache is given: the target's), in place, device tensors first."""
     _fill_device(layer, "_k_scale", resolved.k_heads)
     _fill_device(layer, "_v_scale", resolved.v_heads)
-    if getattr(layer, "kvscale_heads", None) is not None:
+    if _local_heads(layer) is not None:
         # Device copies of the per-layer max, for one-scale GPU paths (kvscale's CUSTOM
         # backend writes and reads a per-head layer's cache with them).
         _fill_device(layer, "_kvscale_k_max", (resolved.k,), scalar=True)
         _fill_device(layer, "_kvscale_v_max", (resolved.v,), scalar=True)
     layer._k_scale_float = resolved.k
     layer._v_scale_float = resolved.v
-    layer.kvscale_resolved = resolved
+    record = layer_record(layer)
+    if record is not None:
+        record.resolved = resolved
     for name, value in (("_k_scale_cpu", resolved.k), ("_v_scale_cpu", resolved.v)):
         host = getattr(layer, name, None)
         if isinstance(host, torch.Tensor):
@@ -77,7 +79,7 @@ def _fill_device(
             name, torch.tensor(values[0], dtype=torch.float32, device=layer._k_scale.device)
         )
         return
-    heads = None if scalar else getattr(layer, "kvscale_heads", None)
+    heads = None if scalar else _local_heads(layer)
     if heads is None:
         current.fill_(values[0] if len(values) == 1 else max(values))
         return
@@ -87,3 +89,10 @@ def _fill_device(
     else:
         # First load of a per-head layer: the scalar default becomes one per head.
         layer.register_buffer(name, target.to(current.device).clone())
+
+
+def _local_heads(layer: torch.nn.Module) -> int | None:
+    """How many KV heads a per-head layer serves on this rank (None: per-tensor)."""
+    record = layer_record(layer)
+    heads = record.heads if record is not None else None
+    return heads.local if heads is not None else None

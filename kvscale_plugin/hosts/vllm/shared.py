@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from kvscale_plugin._log import warn_once
-from kvscale_plugin.hosts.vllm.layers import EngineConfig, is_kvscale_layer, layer_records
+from kvscale_plugin.hosts.vllm.layers import EngineConfig, is_kvscale_layer, layer_record
 from kvscale_plugin.hosts.vllm.served import write_kv_scales
+from kvscale_plugin.loadcycle import LayerRecord
 from kvscale_plugin.scales import ResolvedScales, unscaled
 from kvscale_plugin.sharing import SharedLayers
 
@@ -33,24 +34,28 @@ def sharing_target(layer: torch.nn.Module) -> str | None:
 def serve_target_scales(
     cfg: EngineConfig,
     layer: torch.nn.Module,
-    name: str,
+    record: LayerRecord,
     own: tuple[tuple[float, ...] | None, tuple[float, ...] | None],
 ) -> ResolvedScales:
     """Give a sharing layer its target's scales (the target's resolution; unscaled until
     the target is processed: ``finish_load_cycle`` re-syncs), and note what the checkpoint
     shipped under the layer's own name. Returns what it serves."""
-    target = sharing_target(layer)
+    target = record.target
     assert target is not None
-    held = cfg.attention_layer(target)
-    resolved = getattr(held, "kvscale_resolved", None) or unscaled()
+    resolved = _serving(cfg.attention_layer(target)) or unscaled()
     write_kv_scales(layer, resolved)
     notes = shared_notes(cfg)
-    notes.note_own_scales(name, target, own[0], own[1], resolved)
-    corrupt, _ = layer_records(layer)
-    if corrupt:
-        notes.note_unused_corrupt(cfg.on_disk(corrupt).as_mapping())
-        corrupt.clear()
+    notes.note_own_scales(record.name, target, own[0], own[1], resolved)
+    if record.corrupt:
+        notes.note_unused_corrupt(cfg.on_disk(record.corrupt).as_mapping())
+        record.corrupt.clear()
     return resolved
+
+
+def _serving(layer: torch.nn.Module | None) -> ResolvedScales | None:
+    """The scales ``layer`` serves (None: none yet, or not a layer kvscale served)."""
+    record = layer_record(layer) if layer is not None else None
+    return record.resolved if record is not None else None
 
 
 def resync_sharing_layers(layers: list[torch.nn.Module]) -> None:
@@ -58,7 +63,7 @@ def resync_sharing_layers(layers: list[torch.nn.Module]) -> None:
     by_name = {getattr(layer, "layer_name", None): layer for layer in layers}
     for layer in layers:
         name = sharing_target(layer)
-        resolved = getattr(by_name.get(name), "kvscale_resolved", None) if name else None
+        resolved = _serving(by_name.get(name)) if name else None
         if resolved is not None:
             write_kv_scales(layer, resolved)
 
@@ -91,13 +96,15 @@ _WIRED = "__kvscale_follows_targets__"
 def follow_targets(layers: dict[str, Any]) -> None:
     """Every attention layer that reads a kvscale layer's cache but has no kvscale KV
     method of its own (the assistant drafter: a bf16 checkpoint, no quantization config)
-    holds that layer's scales; marked so that reloads re-sync it (``reload.engine_layers``)."""
-    for layer in layers.values():
-        target = layers.get(sharing_target(layer) or "")
-        resolved = getattr(target, "kvscale_resolved", None)
+    holds that layer's scales; given a record (no cycle's) so that reloads re-sync it
+    (``reload.engine_layers``)."""
+    for name, layer in layers.items():
+        target = sharing_target(layer)
+        resolved = _serving(layers.get(target or ""))
         if resolved is not None and not is_kvscale_layer(layer):
+            if layer_record(layer) is None:
+                layer.kvscale_record = LayerRecord(str(name), target=target)
             write_kv_scales(layer, resolved)
-            layer.kvscale_follows = True
 
 
 def install_assistant_sync() -> None:

@@ -5,6 +5,8 @@
 * ``engines`` -- look inside a running vLLM engine: attention layers, in-place weight
   reloads, ``apply_model`` / ``collective_rpc`` targets for engines with worker processes,
   and whether this CPU runs an FP8 KV cache at all.
+* ``cpu_routes`` -- an ``apply_model`` target: which FP8 cache write (kvscale's C or
+  plain-torch write, or vLLM's) each attention layer's CPU impl took per input dtype.
 
 The builders and the in-process engine harness these extend live with ``kvscale demo`` in
 ``kvscale_plugin.demo`` (``tinymodels``, ``probe``, ``quality``, ``realmodel``): import

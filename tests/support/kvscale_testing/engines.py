@@ -77,7 +77,7 @@ def worker_kv_head_scales(
     says whether the layer is an MTP draft layer kvscale loaded."""
     context = worker.vllm_config.compilation_config.static_forward_context
     return {
-        name: (*_head_scales(m), bool(getattr(m, "kvscale_draft", False)))
+        name: (*_head_scales(m), bool(getattr(getattr(m, "kvscale_record", None), "draft", False)))
         for name, m in context.items()
         if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")
     }

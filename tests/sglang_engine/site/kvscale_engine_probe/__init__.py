@@ -62,6 +62,10 @@ def _number(value: Any) -> Any:
     return float(value)
 
 
+def _scale(values: tuple[float, ...]) -> Any:
+    return _number(values[0] if len(values) == 1 else values)
+
+
 def _layers(model: Any) -> dict[str, Any]:
     from sglang.srt.layers.radix_attention import RadixAttention
 
@@ -69,8 +73,8 @@ def _layers(model: Any) -> dict[str, Any]:
     for name, layer in model.named_modules():
         if not isinstance(layer, RadixAttention):
             continue
-        state = getattr(layer, "kvscale_state", None)
-        raw = getattr(state, "raw", None)
+        record = getattr(layer, "kvscale_record", None)
+        raw = getattr(record, "raw", None)
         layers[name] = {
             "layer_id": layer.layer_id,
             "method": None if layer.quant_method is None else type(layer.quant_method).__name__,
@@ -78,8 +82,9 @@ def _layers(model: Any) -> dict[str, Any]:
             "v_scale": _number(getattr(layer, "v_scale", None)),
             "k_scale_float": _number(getattr(layer, "k_scale_float", None)),
             "v_scale_float": _number(getattr(layer, "v_scale_float", None)),
-            "kvscale_source": getattr(layer, "kvscale_source", None),
-            "kvscale_raw": None if raw is None else {k: _number(v) for k, v in raw.items()},
+            "kvscale_source": getattr(record, "source", None),
+            # per-tensor scales as one number, per-head ones as a list
+            "kvscale_raw": None if raw is None else {k: _scale(v) for k, v in raw.items()},
         }
     return layers
 
