@@ -17,6 +17,7 @@ import torch
 from kvscale_plugin.loadcycle import Cycle, LayerRecord
 from kvscale_plugin.scales import CorruptScales
 from kvscale_plugin.scheme import SchemeVerdict
+from kvscale_plugin.sharing import SharedLayers
 
 HOST = "vllm"
 #: "warn once" scope of an MTP draft's own warnings (beside its target model's).
@@ -35,6 +36,7 @@ class EngineConfig(Protocol):
     unmapped_scales: set[str]
     mtp_scales_seen: set[str]
     cycle: Cycle
+    shared: SharedLayers
 
     def on_disk(self, corrupt: CorruptScales) -> CorruptScales: ...
 

@@ -81,7 +81,7 @@ from kvscale_plugin.scales import (
     ResolvedScales,
 )
 from kvscale_plugin.scheme import SchemeVerdict
-from kvscale_plugin.sharing import SHARED_SOURCE
+from kvscale_plugin.sharing import SHARED_SOURCE, SharedLayers
 
 _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 _KV = ("k_scale", "v_scale")
@@ -157,6 +157,8 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.num_mtp_layers = 0
         # MTP-layer KV-scale tensors the target model was given (until a reload check).
         self.mtp_scales_seen: set[str] = set()
+        # Layers that read another layer's cache: what their own checkpoint scales were.
+        self.shared = SharedLayers()
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )

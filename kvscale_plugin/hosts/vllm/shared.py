@@ -22,7 +22,6 @@ from kvscale_plugin.hosts.vllm.layers import EngineConfig, is_kvscale_layer, lay
 from kvscale_plugin.hosts.vllm.served import write_kv_scales
 from kvscale_plugin.loadcycle import LayerRecord
 from kvscale_plugin.scales import ResolvedScales, unscaled
-from kvscale_plugin.sharing import SharedLayers
 
 
 def sharing_target(layer: torch.nn.Module) -> str | None:
@@ -44,7 +43,7 @@ def serve_target_scales(
     assert target is not None
     resolved = _serving(cfg.attention_layer(target)) or unscaled()
     write_kv_scales(layer, resolved)
-    notes = shared_notes(cfg)
+    notes = cfg.shared
     notes.note_own_scales(record.name, target, own[0], own[1], resolved)
     if record.corrupt:
         notes.note_unused_corrupt(cfg.on_disk(record.corrupt).as_mapping())
@@ -72,15 +71,8 @@ def finish_load_cycle(cfg: EngineConfig) -> None:
     """At the end of a load cycle: every sharing layer re-synced with its target, then the
     notes, once per engine and cause."""
     resync_sharing_layers(cfg.attention_layers())
-    for i, message in enumerate(shared_notes(cfg).warnings()):
+    for i, message in enumerate(cfg.shared.warnings()):
         warn_once(f"{cfg.warn_scope}shared-kv-{i}", message)
-
-
-def shared_notes(cfg: EngineConfig) -> SharedLayers:
-    notes = cfg.__dict__.get("kvscale_shared")
-    if notes is None:
-        notes = cfg.kvscale_shared = SharedLayers()
-    return notes
 
 
 # -- the Gemma-4 assistant drafter (``gemma4_mtp``, speculative decoding) --------------
