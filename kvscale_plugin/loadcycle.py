@@ -201,6 +201,10 @@ def refused_reload_message(corrupt: CorruptScales, host: str) -> str:
     )
 
 
+#: The attribute a host's attention layer keeps its ``LayerRecord`` in.
+RECORD_ATTR = "kvscale_record"
+
+
 @dataclass(eq=False)
 class LayerRecord:
     """One attention layer's load-cycle state, for every host: built with the layer (by
@@ -275,8 +279,9 @@ class Cycle:
         self._processed: dict[str, tuple[str, ResolvedScales, str]] = {}
         self._refused: tuple[CorruptScales, CorruptScales] | None = None
 
-    def record(self, name: str, **fields: Any) -> LayerRecord:
-        """A new layer's record, registered under ``name``; its refusals reach the cycle."""
+    def record(self, name: str, layer: object, **fields: Any) -> LayerRecord:
+        """A new record for ``layer``, registered under ``name`` and kept on the layer
+        (``attach_record``); its refusals reach the cycle."""
         record = LayerRecord(
             name,
             corrupt=CorruptScales(self._changed),
@@ -284,7 +289,7 @@ class Cycle:
             **fields,
         )
         self.records[name] = record
-        return record
+        return attach_record(layer, record)
 
     def _changed(self) -> None:
         self._refused = None
@@ -330,6 +335,18 @@ class Cycle:
             target = self.records.get(record.target) if record.target else None
             if target is not None and target.resolved is not None:
                 yield record, target.resolved
+
+
+def layer_record(layer: object) -> LayerRecord | None:
+    """The record a host's attention layer keeps (None: a layer kvscale never served)."""
+    return getattr(layer, "__dict__", {}).get(RECORD_ATTR)
+
+
+def attach_record(layer: object, record: LayerRecord) -> LayerRecord:
+    """Keep ``record`` on ``layer`` for the layer's lifetime (every reload path of a host
+    finds the layer object again, whatever it re-creates around it)."""
+    setattr(layer, RECORD_ATTR, record)
+    return record
 
 
 def describe_loaded_layers(

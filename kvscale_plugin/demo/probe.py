@@ -163,6 +163,8 @@ def layer_scales(llm: Any) -> dict[str, LayerScales]:
 
 def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
     """``layer_scales`` of an engine's static forward context (also one that failed)."""
+    from kvscale_plugin.loadcycle import layer_record
+
     out = {}
     for name, layer in context.items():
         if not hasattr(layer, "_k_scale"):
@@ -180,7 +182,7 @@ def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
             v_cpu=float(layer._v_scale_cpu),
             kv_cache_dtype=str(layer.kv_cache_dtype),
             pool_dtype=getattr(cache, "dtype", None),
-            source=getattr(getattr(layer, "kvscale_record", None), "source", None),
+            source=getattr(layer_record(layer), "source", None),
             k_ptr=layer._k_scale.data_ptr(),
             v_ptr=layer._v_scale.data_ptr(),
             k_heads=tuple(float(x) for x in layer._k_scale.reshape(-1).tolist()),

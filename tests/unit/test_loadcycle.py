@@ -16,6 +16,7 @@ from kvscale_plugin.loadcycle import (
     LayerRecord,
     computes_own_scales,
     decide,
+    layer_record,
     read_scale,
     refused_reload_message,
     reload_without_scales_message,
@@ -61,6 +62,10 @@ def test_only_per_token_head_modes_compute_their_own():
 # --- the one reload rule (loadcycle.decide), on plain tensors: no engine -------------------
 
 
+class Layer:
+    """Stands in for a host's attention layer: something a record can be kept on."""
+
+
 def _cycle(tensors: dict[str, object], heads=None) -> tuple[dict, CorruptScales]:
     """One load cycle through the loaders and records both hosts use (``<layer>.<kind>``
     tensors): what the layers' records hold, and what the cycle refused."""
@@ -68,7 +73,9 @@ def _cycle(tensors: dict[str, object], heads=None) -> tuple[dict, CorruptScales]
     records: dict[str, LayerRecord] = {}
     for name, value in tensors.items():
         layer, kind = name.rsplit(".", 1)
-        record = records.get(layer) or records.setdefault(layer, cycle.record(layer, heads=heads))
+        record = records.get(layer) or records.setdefault(
+            layer, cycle.record(layer, Layer(), heads=heads)
+        )
         loader = scale_loader(record, kind, heads)
         loader(torch.zeros(()), torch.as_tensor(value, dtype=torch.float32), "shard-id")
     stored = {f"{r.name}.{kind}": v for r in records.values() for kind, v in r.loaded.items()}
@@ -162,7 +169,9 @@ def test_the_refusal_and_the_reload_warning_name_what_to_do():
 
 def test_the_cycles_refusals_are_gathered_once_until_a_loader_changes_a_record():
     cycle = Cycle()
-    records = [cycle.record(f"l{i}") for i in range(3)]
+    layers = [Layer() for _ in range(3)]
+    records = [cycle.record(f"l{i}", layer) for i, layer in enumerate(layers)]
+    assert [layer_record(layer) for layer in layers] == records  # kept on each layer
     for record in records:
         scale_loader(record, "k_scale", None)(torch.zeros(()), torch.tensor(2.0))
     first = cycle.refused()
@@ -184,14 +193,14 @@ def test_the_cycles_refusals_are_gathered_once_until_a_loader_changes_a_record()
 def test_a_host_that_knows_targets_late_is_asked_when_refusals_are_gathered():
     targets = {"l1": "l0"}
     cycle = Cycle(target_of=lambda record: targets.get(record.name))
-    sharer = cycle.record("l1")
+    sharer = cycle.record("l1", Layer())
     scale_loader(sharer, "k_scale", None)(torch.zeros(()), torch.tensor(0.0))
     assert not cycle.refused()[0] and sharer.target == "l0"
 
 
 def test_a_record_serves_reports_its_source_and_the_last_layer_ends_the_cycle(caplog):
     cycle = Cycle()
-    a, b = cycle.record("a"), cycle.record("b", target="a")
+    a, b = cycle.record("a", Layer()), cycle.record("b", Layer(), target="a")
     for record in (a, b):
         cycle.built(record.name)
     scale_loader(a, "k_scale", None)(torch.zeros(()), torch.tensor(3.0))

@@ -68,6 +68,7 @@ from kvscale_plugin.loadcycle import (
     Cycle,
     LayerRecord,
     decide,
+    layer_record,
     refused_reload_message,
     serves_checkpoint_scales,
 )
@@ -263,9 +264,8 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 
     def create_weights(self, layer: torch.nn.Module) -> None:
         cfg = self.quant_config
-        record = cfg.cycle.record(self.layer_name, heads=_head_placement(cfg, layer))
+        record = cfg.cycle.record(self.layer_name, layer, heads=_head_placement(cfg, layer))
         record.target = sharing_target(self.layer_name, layer, cfg.cycle.records)
-        layer.kvscale_record = record
         cfg._layers[self.layer_name] = layer
         cfg.cycle.built(self.layer_name)
         for name in _SCALE_NAMES:
@@ -449,11 +449,6 @@ def _warn_missing_scales(cfg: KVScaleConfig) -> None:
         for name, record in cfg.cycle.records.items()
         if not record.loaded and not record.raw and not record.target
     )
-
-
-def layer_record(layer: Any) -> LayerRecord | None:
-    """A ``RadixAttention``'s load-cycle state, or None for a layer kvscale does not serve."""
-    return getattr(layer, "kvscale_record", None)
 
 
 def register_quantization() -> None:

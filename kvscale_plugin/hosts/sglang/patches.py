@@ -72,7 +72,7 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
 from kvscale_plugin.hosts._common import warn_unmapped_scales
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
-from kvscale_plugin.loadcycle import refused_reload_message
+from kvscale_plugin.loadcycle import layer_record, refused_reload_message
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
@@ -138,7 +138,7 @@ def _load_draft_scale(
         # (MiMoMTP: KeyError 'model.mtp_block.self_attn.q_scale').
         logger.debug("kvscale: %s has no SGLang parameter; not loaded", name)
         return True
-    layer.kvscale_record.checkpoint_names[kind] = name
+    layer_record(layer).checkpoint_names[kind] = name  # type: ignore[union-attr]
     param.weight_loader(param, tensor)
     return True
 
@@ -218,7 +218,7 @@ def _install_name_mapping(
             tuple(
                 m
                 for m in owner.modules()
-                if isinstance(m, RadixAttention) and getattr(m, "kvscale_record", None) is not None
+                if isinstance(m, RadixAttention) and layer_record(m) is not None
             )
             if draft and owner is not None
             else None
@@ -356,7 +356,7 @@ def _attach_kv_method_hook(class_path: str) -> Callable[..., None]:
         fused = (getattr(module, "_fused_k_scale", None), getattr(module, "_fused_v_scale", None))
         if all(isinstance(t, torch.Tensor) for t in fused):
             # Qwen3's fused qk-norm/rope cache write reads these CPU copies.
-            attn.kvscale_record.mirrors.append(fused)
+            layer_record(attn).mirrors.append(fused)  # type: ignore[union-attr]
         return None
 
     attach_kv_method.__qualname__ = f"kvscale_attach_kv_method[{class_path}]"

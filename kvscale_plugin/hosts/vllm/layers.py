@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvscale_plugin.loadcycle import Cycle, LayerRecord
+from kvscale_plugin.loadcycle import Cycle
 from kvscale_plugin.scales import CorruptScales
 from kvscale_plugin.scheme import SchemeVerdict
 from kvscale_plugin.sharing import SharedLayers
@@ -57,14 +57,6 @@ def is_kvscale_layer(layer: object) -> bool:
 def kvscale_config(layer: Any) -> EngineConfig | None:
     """The kvscale config whose KV method serves ``layer``, or None for any other layer."""
     return layer.quant_method.quant_config if is_kvscale_layer(layer) else None
-
-
-def layer_record(layer: Any) -> LayerRecord | None:
-    """The layer's load-cycle state (``loadcycle.LayerRecord``, ``kvscale_record``), or
-    None for a layer kvscale never served. It lives on the attention layer, where vLLM
-    keeps its own (the KV method's placeholders, ``_k_scale``...): every reload path finds
-    the layer object again, whatever it re-creates around it."""
-    return layer.__dict__.get("kvscale_record")
 
 
 def layer_serves_checkpoint_scales(verdict: SchemeVerdict, layer: Any) -> bool:

@@ -46,7 +46,6 @@ from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import (
     DRAFT_SCOPE,
     HOST,
-    layer_record,
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
@@ -67,6 +66,7 @@ from kvscale_plugin.loadcycle import (
     computes_own_scales,
     decide,
     dynamic_scales_notice,
+    layer_record,
 )
 from kvscale_plugin.names import (
     declared_mtp_layers,
@@ -146,7 +146,7 @@ class KVScaleConfig(CompressedTensorsConfig):
             self.kv_cache_scheme = None
         self.model_type: str | None = None
         # What the name mapping saw (written by ``_HookRenaming`` only; the per-load state
-        # of each attention layer lives on the layer: ``layers.layer_records``).
+        # of each attention layer lives on the layer: ``loadcycle.LayerRecord``).
         # vLLM parameter name -> the checkpoint tensor it was loaded from (as on disk).
         self.checkpoint_names: dict[str, str] = {}
         # Checkpoint KV-scale tensors that name no attention layer of this model.
@@ -311,7 +311,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         record = layer_record(layer)
         if record is None:  # the layer's record, for its lifetime
             heads = head_layout(cfg, layer) if cfg.kv_verdict.per_head else None
-            layer.kvscale_record = record = cfg.cycle.record(layer_name, heads=heads)
+            record = cfg.cycle.record(layer_name, layer, heads=heads)
         # A new load cycle for this layer (vLLM's layerwise reload replays the loaders
         # after this). Records the MTP routing filed under a checkpoint name stay until
         # the reload check reads them.

@@ -26,8 +26,8 @@ from kvscale_plugin.hosts.vllm.layers import (
     HOST,
     EngineConfig,
     is_kvscale_layer,
-    layer_record,
 )
+from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -135,7 +135,7 @@ def install_draft_routing() -> None:
         if not layers:
             return weights  # no kvscale KV method in this draft: stock behaviour
         for layer in layers:
-            layer.kvscale_record.draft = True
+            layer_record(layer).draft = True  # type: ignore[union-attr]
         cfg = layers[0].quant_method.quant_config
         # The loader has already looked up ``model.load_weights`` for this load (Python
         # evaluates the callee before its argument, this stream): route this stream here,

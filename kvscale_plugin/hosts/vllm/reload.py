@@ -41,11 +41,10 @@ from kvscale_plugin.hosts.vllm.layers import (
     EngineConfig,
     is_kvscale_layer,
     kvscale_config,
-    layer_record,
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
-from kvscale_plugin.loadcycle import LayerRecord, refused_reload_message
+from kvscale_plugin.loadcycle import LayerRecord, layer_record, refused_reload_message
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
 
@@ -65,10 +64,6 @@ def _record(layer: torch.nn.Module) -> LayerRecord:
     record = layer_record(layer)
     assert record is not None  # engine_layers: every one has a record
     return record
-
-
-def _records(layers: Iterable[torch.nn.Module]) -> list[LayerRecord]:
-    return [_record(layer) for layer in layers]
 
 
 def _is_draft(layer: torch.nn.Module) -> bool:
@@ -92,7 +87,7 @@ def _configs(layers: Iterable[torch.nn.Module]) -> list[EngineConfig]:
 def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
     """The check has read this cycle: what it recorded is moot for the next one."""
     layers = list(layers)
-    for record in _records(layers):
+    for record in map(_record, layers):
         record.corrupt.clear()
         record.corrupt_q.clear()
         record.reloaded = record.refused = False

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from kvscale_plugin.heads import HeadLayout
-from kvscale_plugin.hosts.vllm.layers import EngineConfig, layer_record
+from kvscale_plugin.hosts.vllm.layers import EngineConfig
+from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.scales import ResolvedScales
 
 

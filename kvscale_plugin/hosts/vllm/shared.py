@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from kvscale_plugin._log import warn_once
-from kvscale_plugin.hosts.vllm.layers import EngineConfig, is_kvscale_layer, layer_record
+from kvscale_plugin.hosts.vllm.layers import EngineConfig, is_kvscale_layer
 from kvscale_plugin.hosts.vllm.served import write_kv_scales
-from kvscale_plugin.loadcycle import LayerRecord
+from kvscale_plugin.loadcycle import LayerRecord, attach_record, layer_record
 from kvscale_plugin.scales import ResolvedScales, unscaled
 
 
@@ -95,7 +95,7 @@ def follow_targets(layers: dict[str, Any]) -> None:
         resolved = _serving(layers.get(target or ""))
         if resolved is not None and not is_kvscale_layer(layer):
             if layer_record(layer) is None:
-                layer.kvscale_record = LayerRecord(str(name), target=target)
+                attach_record(layer, LayerRecord(str(name), target=target))
             write_kv_scales(layer, resolved)
 
 
