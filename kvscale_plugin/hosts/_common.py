@@ -8,6 +8,7 @@ announced, how an untested host version is reported) live here once.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Collection, Iterable
 from types import ModuleType
 from typing import Any
@@ -61,6 +62,36 @@ def import_adapter(host: str, found: str, tested: Collection[str], module: str) 
             f"{type(exc).__name__}: {exc}. Install a tested {host} version, or uninstall "
             "kvscale-plugin."
         ) from exc
+
+
+def resolve_attribute(module: str, attr: str) -> Any:
+    """Import ``module`` and follow ``attr`` (dotted; empty: the module itself), as a patch
+    of that host internal will. A class's attribute is read from the ``__dict__`` of the
+    class that defines it (a method stays its function, a staticmethod its descriptor).
+    Raises what importing raises, or ``AttributeError`` naming the path that lacks it."""
+    obj: Any = importlib.import_module(module)
+    path = module
+    for name in filter(None, attr.split(".")):
+        owner = next((k for k in getattr(obj, "__mro__", ()) if name in k.__dict__), None)
+        if owner is not None:
+            obj = owner.__dict__[name]
+        elif hasattr(obj, name):
+            obj = getattr(obj, name)
+        else:
+            raise AttributeError(f"'{path}' has no attribute '{name}'")
+        path = f"{path}.{name}"
+    return obj
+
+
+def parameter_names(obj: Any) -> list[str] | None:
+    """A host function's parameter names, ``self`` / ``cls`` left out; None when it takes
+    anything positionally (``*args``). Raises ``TypeError`` / ``ValueError`` when its
+    signature cannot be read."""
+    func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
+        return None
+    return [p for p in params if p not in ("self", "cls")]
 
 
 def no_checkpoint_config_error(host: str) -> ValueError:

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib
 import inspect
 import pkgutil
 import weakref
@@ -70,7 +69,11 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_pl
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
-from kvscale_plugin.hosts._common import warn_unmapped_scales
+from kvscale_plugin.hosts._common import (
+    parameter_names,
+    resolve_attribute,
+    warn_unmapped_scales,
+)
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
 from kvscale_plugin.loadcycle import layer_record, refused_reload_message
 from kvscale_plugin.names import (
@@ -447,26 +450,10 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
-def resolve_target(patch: Patch) -> Any:
-    """Import ``patch.module`` and follow ``patch.attr``, as ``HookRegistry`` will.
-
-    Raises ``ImportError`` / ``AttributeError`` (or whatever importing raises) when the
-    target moved.
-    """
-    obj: Any = importlib.import_module(patch.module)
-    path = patch.module
-    for name in patch.attr.split("."):
-        if not hasattr(obj, name):
-            raise AttributeError(f"'{path}' has no attribute '{name}'")
-        obj = getattr(obj, name)
-        path = f"{path}.{name}"
-    return obj
-
-
 def target_problem(patch: Patch) -> str | None:
     """Why ``patch`` cannot be applied as written on the installed SGLang, or None."""
     try:
-        obj = resolve_target(patch)
+        obj = resolve_attribute(patch.module, patch.attr)
     except Exception as exc:  # any failure to import or resolve: the target moved
         return f"{type(exc).__name__}: {exc}"
     if not callable(obj):
@@ -474,12 +461,13 @@ def target_problem(patch: Patch) -> str | None:
     if not patch.params:
         return None
     try:
-        names = list(inspect.signature(obj).parameters)
+        names = parameter_names(obj)
     except (TypeError, ValueError) as exc:
         return f"its signature cannot be read ({exc})"
+    if names is None:
+        return None  # takes anything positionally
     if patch.leading:
-        found = [n for n in names if n != "self"][: len(patch.params)]
-        ok = found == list(patch.params)
+        ok = names[: len(patch.params)] == list(patch.params)
     else:
         ok = set(patch.params) <= set(names)
     if ok:

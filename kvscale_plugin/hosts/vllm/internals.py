@@ -35,12 +35,11 @@ This module imports no vLLM at import time.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvscale_plugin.hosts._common import base_version, parameter_names, resolve_attribute
 from kvscale_plugin.releases import VLLM_MIN, VLLM_RUN, VLLM_STATIC
 
 #: Feature -> what a user gets from it (and loses without it).
@@ -412,44 +411,18 @@ PATCHED: tuple[Internal, ...] = tuple(i for i in INTERNALS if i.patch)
 # ----------------------------------------------------------------------------- checking
 
 
-def _lookup(owner: Any, name: str) -> Any:
-    """``getattr`` for classes without triggering descriptors (a method stays a function)."""
-    if isinstance(owner, type):
-        for klass in owner.__mro__:
-            if name in klass.__dict__:
-                return klass.__dict__[name]
-    return getattr(owner, name)
-
-
-def _resolve_in(module: str, attr: str) -> Any:
-    obj: Any = importlib.import_module(module)
-    for part in filter(None, attr.split(".")):
-        obj = _lookup(obj, part)
-    return obj
-
-
 def resolve(internal: Internal) -> Any:
     """Import ``internal``'s module (or the first of ``moved`` that has it) and follow its
-    attribute chain (raises the first module's error when none has it)."""
+    attribute chain (``_common.resolve_attribute``; raises the first module's error when
+    none has it)."""
     first: Exception | None = None
     for module in internal.modules:
         try:
-            return _resolve_in(module, internal.attr)
+            return resolve_attribute(module, internal.attr)
         except Exception as exc:  # noqa: BLE001 - try the next place it may have moved to
             first = first or exc
     assert first is not None
     raise first
-
-
-def _param_names(obj: Any) -> list[str] | None:
-    func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
-    try:
-        params = inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
-        return None  # takes anything positionally
-    return [p for p in params if p not in ("self", "cls")]
 
 
 def params_problem(expected: tuple[str, ...], found: list[str] | None) -> str | None:
@@ -469,7 +442,11 @@ def problem(internal: Internal) -> str | None:
         obj = resolve(internal)
     except Exception as exc:  # noqa: BLE001 - any failure to import / resolve is "moved"
         return f"{type(exc).__name__}: {exc}"
-    return params_problem(internal.params, _param_names(obj)) or calls_problem(
+    try:
+        found = parameter_names(obj)
+    except (TypeError, ValueError):
+        found = None  # no readable signature: nothing to compare
+    return params_problem(internal.params, found) or calls_problem(
         internal.calls, live_calls(obj) if internal.calls else None
     )
 
@@ -531,8 +508,6 @@ __all__ = ["INTERNALS", "PATCHED", "Internal", "check", "replace", "replace_item
 
 def host_version() -> str:
     """The installed vLLM's release (``0.32.0+cpu`` -> ``0.32.0``), or ``unknown``."""
-    from kvscale_plugin.hosts._common import base_version
-
     try:
         import vllm
 
