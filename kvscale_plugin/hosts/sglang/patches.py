@@ -3,43 +3,23 @@
 Written against SGLang 0.5.23 (``WRITTEN_AGAINST``). The quantization method itself
 (``hosts.sglang.method``) uses SGLang's documented extension point; everything here
 wraps SGLang internals instead, so this is the half of the adapter that breaks when
-SGLang moves code. Each patch is one entry of ``PATCHES``; the gaps they close:
+SGLang moves code. ``PATCHES`` lists every patch: its target, its kind (``AFTER`` /
+``AROUND``) and what it does; each hook's docstring says which gap of SGLang it closes:
 
-1. ``sglang.srt.model_loader.loader._initialize_model`` (AFTER): SGLang's loaders only
-   know their own KV-scale names, so scales named otherwise (other checkpoint layouts,
-   third-party name-mapping rules) would be skipped. For a kvscale model, the patch
-   wraps the model instance's ``load_weights`` (every load path: startup,
-   ``update_weights_from_disk`` / ``_tensor`` / ``_distributed``) so
-   checkpoint names are mapped through the pluggy name-mapping hook onto the
-   model's placeholders first, and names that fit no layer are reported once. In a
-   speculative-decoding draft built from the checkpoint's MTP layers
-   (``model_config.is_draft_model``: MiMoMTP, Glm4MoeForCausalLMNextN,
-   Qwen3NextForCausalLMMTP, Qwen3_5ForCausalLMMTP, ...), the MTP layers' scales
-   (``names.mtp_layer_ordinal``) are loaded straight into the draft's attention layers:
-   SGLang's draft loaders rename checkpoint tensors each their own way and crash on
-   (MiMo, Qwen3-Next) or drop (GLM-4-MoE) scale names.
-2. ``sglang.srt.model_loader.weight_utils.maybe_remap_kv_scale_name`` (AROUND): where
-   SGLang's ``load_weights`` looks scale names up, stock appends a second ``.attn``
-   to an already-mapped name (or drops ``qkv_proj.k_scale``); names that map onto a
-   kvscale placeholder are answered by the pluggy hook, everything else is stock.
-3. ``sglang.srt.model_loader.utils.get_model_architecture`` (AROUND): SGLang routes
-   Mixtral with an unknown quantization name to ``QuantMixtralForCausalLM``, which has
-   no compressed-tensors weight handling; under ``--quantization kvscale`` the
-   architecture is resolved as for ``compressed-tensors``, so Mixtral keeps its class.
+1. ``sglang.srt.model_loader.loader._initialize_model``: checkpoint KV-scale names
+   mapped onto a kvscale model's placeholders in every load path, and a draft's MTP-layer
+   scales loaded into its attention layers (``_install_name_mapping``);
+2. ``sglang.srt.model_loader.weight_utils.maybe_remap_kv_scale_name``: mapped names pass
+   SGLang's remapping (``_hook_remap_kv_scale_name``);
+3. ``sglang.srt.model_loader.utils.get_model_architecture``: Mixtral keeps its class
+   (``_hook_model_architecture``);
 4. ``sglang.srt.models.qwen3.Qwen3Attention.__init__``,
 5. ``sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__`` and
-6. ``sglang.srt.models.glm4_moe.Glm4MoeAttention.__init__`` (AFTER): dense Qwen3,
-   Qwen3-MoE and GLM-4-MoE (its stack and its NextN draft) build ``RadixAttention``
-   without ``quant_config``, so compressed-tensors KV scales are silently dropped for
-   them; the patch attaches the kvscale KV method after ``__init__`` (and keeps Qwen3's
-   fused CPU scale copies equal to the served scales). A SGLang that passes
-   ``quant_config`` itself is left alone.
+6. ``sglang.srt.models.glm4_moe.Glm4MoeAttention.__init__``: their ``RadixAttention``
+   gets the KV method SGLang does not give it (``ATTENTION_WITHOUT_QUANT_CONFIG``);
 7. ``sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.
-   update_weights_from_disk`` (AROUND): SGLang answers "Succeeded to update model
-   weights." whatever a quant method found, and has no hook after a weight update; a
-   reload whose KV scales kvscale refused (every layer kept its scales:
-   ``loadcycle.decide``) is answered ``(False, <every bad tensor, as on disk>)`` instead,
-   once SGLang has finished it.
+   update_weights_from_disk``: a reload kvscale refused is answered as failed
+   (``_hook_update_weights_from_disk``).
 
 A moved target fails loudly. SGLang's ``HookRegistry.apply_hooks`` only logs a target
 it cannot resolve and carries on, which would serve with stock behaviour (dropped or
@@ -122,7 +102,8 @@ def _load_draft_scale(
     Straight into the placeholder, because SGLang 0.5.23's draft loaders translate
     checkpoint names each their own way and lose or trip over scale names: MiMoMTP
     raises ``KeyError: 'model.mtp_block.self_attn.k_scale'``, Qwen3NextForCausalLMMTP
-    asserts ``Expected 1.0, got ... in skipped model.layers.0.k_scale``.
+    asserts ``Expected 1.0, got ... in skipped model.layers.0.k_scale``, GLM-4-MoE's NextN
+    draft drops them.
     """
     layers = mtp.draft_layers or ()
     if ordinal >= len(layers):
@@ -202,8 +183,12 @@ def _install_name_mapping(
     declared_mtp: int = 0,
 ) -> None:
     """Wrap this model instance's ``load_weights``: every load path (startup,
-    update_weights_from_disk / _tensor / _distributed) goes through it. ``draft``: the
-    model is a speculative-decoding draft built from the checkpoint's MTP layers."""
+    update_weights_from_disk / _tensor / _distributed) goes through it. SGLang's loaders
+    know only their own KV-scale names, so scales named otherwise (other checkpoint
+    layouts, third-party name-mapping rules) would be skipped: they are mapped onto the
+    placeholders first (``_map_weight_names``), and names that fit no layer are reported
+    once. ``draft``: the model is a speculative-decoding draft built from the checkpoint's
+    MTP layers (``_load_draft_scale``)."""
     original = model.load_weights
     if getattr(original, "_kvscale_wrapped", False):
         return
@@ -305,7 +290,9 @@ def _hook_update_weights_from_disk(
     original: Callable[..., Any], updater: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """AROUND ``WeightUpdater.update_weights_from_disk``: a reload kvscale refused answers
-    ``(False, message)`` once SGLang has finished it (the layers kept their scales)."""
+    ``(False, message)`` once SGLang has finished it (the layers kept their scales).
+    SGLang answers "Succeeded to update model weights." whatever a quant method found, and
+    has no hook after a weight update (``loadcycle.decide`` keeps the scales)."""
     get_model = getattr(updater, "get_model", None)
     cfg = getattr(get_model() if callable(get_model) else None, "quant_config", None)
     if not isinstance(cfg, KVScaleConfig):
