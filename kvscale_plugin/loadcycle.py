@@ -44,7 +44,7 @@ Pure: hosts hand in plain tensors and flags, never a host object.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -63,6 +63,7 @@ from kvscale_plugin.scales import (
     unscaled,
 )
 from kvscale_plugin.scheme import SchemeVerdict
+from kvscale_plugin.sharing import SharedLayers
 
 #: Zero points a checkpoint may ship beside its scales: accepted and dropped (the KV
 #: cache is quantized symmetrically; a non-zero one is warned about).
@@ -335,6 +336,26 @@ class Cycle:
             target = self.records.get(record.target) if record.target else None
             if target is not None and target.resolved is not None:
                 yield record, target.resolved
+
+
+def serve_target(
+    notes: SharedLayers,
+    record: LayerRecord,
+    target: ResolvedScales | None,
+    own: tuple[tuple[float, ...] | None, tuple[float, ...] | None],
+    on_disk: Mapping[str, str],
+) -> ResolvedScales:
+    """What a layer that reads another layer's cache serves: ``target``, the scales that
+    layer serves (unscaled until it has served; the cycle's end re-syncs). What the
+    checkpoint shipped under the layer's own name (``own``: k, v) and what its loaders
+    refused there (named as on disk: ``on_disk``, parameter -> checkpoint name) are unused:
+    noted in ``notes``, warned about once at the cycle's end (``sharing.SharedLayers``)."""
+    resolved = target or unscaled()
+    notes.note_own_scales(record.name, str(record.target), own[0], own[1], resolved)
+    if record.corrupt:
+        notes.note_unused_corrupt(record.corrupt.renamed(on_disk).as_mapping())
+        record.corrupt.clear()
+    return resolved
 
 
 def layer_record(layer: object) -> LayerRecord | None:

@@ -61,7 +61,7 @@ from kvscale_plugin.hosts.sglang.backends import (
     configured_attention_backends,
     judge_attention_backends,
 )
-from kvscale_plugin.hosts.sglang.shared import serve_target, sharing_target
+from kvscale_plugin.hosts.sglang.shared import sharing_target
 from kvscale_plugin.loadcycle import (
     ZERO_POINT_NAMES,
     Action,
@@ -70,6 +70,7 @@ from kvscale_plugin.loadcycle import (
     decide,
     layer_record,
     refused_reload_message,
+    serve_target,
     serves_checkpoint_scales,
 )
 from kvscale_plugin.scales import SENTINEL, CorruptScaleError, CorruptScales, ResolvedScales
@@ -318,7 +319,8 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         pool = "fp8" if applies else requested
         target = cfg.cycle.records.get(record.target) if record.target else None
         if target is not None:  # reads the target's cache: serves the target's scales
-            resolved = serve_target(cfg.shared, record, target, loaded, cfg.checkpoint_names)
+            own = (loaded.get("k_scale"), loaded.get("v_scale"))
+            resolved = serve_target(cfg.shared, record, target.resolved, own, cfg.checkpoint_names)
             record.loaded.clear()
             _write_scales(layer, record, resolved)
             record.served(resolved, SHARED_SOURCE)

@@ -25,10 +25,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvscale_plugin.loadcycle import LayerRecord
-from kvscale_plugin.scales import ResolvedScales, unscaled
-from kvscale_plugin.sharing import SharedLayers
-
 _INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -40,24 +36,3 @@ def sharing_target(name: str, layer: Any, built: Mapping[str, Any]) -> str | Non
         return None
     target = f"{name[: match.start()]}layers.{layer_id}.{name[match.end() :]}"
     return target if target in built else None
-
-
-def serve_target(
-    notes: SharedLayers,
-    record: LayerRecord,
-    target: LayerRecord,
-    loaded: Mapping[str, tuple[float, ...]],
-    on_disk: Mapping[str, str],
-) -> ResolvedScales:
-    """What a sharing layer serves (its target's scales in force; unscaled until the
-    target served), noting what the checkpoint shipped under the layer's own name
-    (``loaded``) and what its loaders refused there (named as on disk: ``on_disk``,
-    parameter -> checkpoint name): unused, so only warned about at the cycle's end."""
-    resolved = target.resolved or unscaled()
-    notes.note_own_scales(
-        record.name, target.name, loaded.get("k_scale"), loaded.get("v_scale"), resolved
-    )
-    if record.corrupt:
-        notes.note_unused_corrupt(record.corrupt.renamed(on_disk).as_mapping())
-        record.corrupt.clear()
-    return resolved

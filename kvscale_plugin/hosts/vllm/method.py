@@ -51,11 +51,11 @@ from kvscale_plugin.hosts.vllm.layers import (
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
-from kvscale_plugin.hosts.vllm.served import head_layout, write_scales
+from kvscale_plugin.hosts.vllm.served import head_layout, write_kv_scales, write_scales
 from kvscale_plugin.hosts.vllm.shared import (
     ensure_assistant_sync,
     finish_load_cycle,
-    serve_target_scales,
+    serving,
     sharing_target,
 )
 from kvscale_plugin.loadcycle import (
@@ -67,6 +67,7 @@ from kvscale_plugin.loadcycle import (
     decide,
     dynamic_scales_notice,
     layer_record,
+    serve_target,
 )
 from kvscale_plugin.names import (
     declared_mtp_layers,
@@ -350,7 +351,9 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             # in a reload that re-created nothing here (the target's may have changed).
             built = hasattr(layer, "k_scale")
             own = (record.value("k_scale"), record.value("v_scale"))
-            resolved = serve_target_scales(cfg, layer, record, own)
+            target = serving(cfg.attention_layer(record.target))
+            resolved = serve_target(cfg.shared, record, target, own, cfg.checkpoint_names)
+            write_kv_scales(layer, resolved)
             self._finish(layer, record, resolved, SHARED_SOURCE, counted=built)
             return
         if not hasattr(layer, "k_scale"):

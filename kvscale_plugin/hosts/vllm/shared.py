@@ -21,7 +21,7 @@ from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts.vllm.layers import EngineConfig, is_kvscale_layer
 from kvscale_plugin.hosts.vllm.served import write_kv_scales
 from kvscale_plugin.loadcycle import LayerRecord, attach_record, layer_record
-from kvscale_plugin.scales import ResolvedScales, unscaled
+from kvscale_plugin.scales import ResolvedScales
 
 
 def sharing_target(layer: torch.nn.Module) -> str | None:
@@ -30,28 +30,7 @@ def sharing_target(layer: torch.nn.Module) -> str | None:
     return target if isinstance(target, str) and target else None
 
 
-def serve_target_scales(
-    cfg: EngineConfig,
-    layer: torch.nn.Module,
-    record: LayerRecord,
-    own: tuple[tuple[float, ...] | None, tuple[float, ...] | None],
-) -> ResolvedScales:
-    """Give a sharing layer its target's scales (the target's resolution; unscaled until
-    the target is processed: ``finish_load_cycle`` re-syncs), and note what the checkpoint
-    shipped under the layer's own name. Returns what it serves."""
-    target = record.target
-    assert target is not None
-    resolved = _serving(cfg.attention_layer(target)) or unscaled()
-    write_kv_scales(layer, resolved)
-    notes = cfg.shared
-    notes.note_own_scales(record.name, target, own[0], own[1], resolved)
-    if record.corrupt:
-        notes.note_unused_corrupt(cfg.on_disk(record.corrupt).as_mapping())
-        record.corrupt.clear()
-    return resolved
-
-
-def _serving(layer: torch.nn.Module | None) -> ResolvedScales | None:
+def serving(layer: torch.nn.Module | None) -> ResolvedScales | None:
     """The scales ``layer`` serves (None: none yet, or not a layer kvscale served)."""
     record = layer_record(layer) if layer is not None else None
     return record.resolved if record is not None else None
@@ -62,7 +41,7 @@ def resync_sharing_layers(layers: list[torch.nn.Module]) -> None:
     by_name = {getattr(layer, "layer_name", None): layer for layer in layers}
     for layer in layers:
         name = sharing_target(layer)
-        resolved = _serving(by_name.get(name)) if name else None
+        resolved = serving(by_name.get(name)) if name else None
         if resolved is not None:
             write_kv_scales(layer, resolved)
 
@@ -92,7 +71,7 @@ def follow_targets(layers: dict[str, Any]) -> None:
     (``reload.engine_layers``)."""
     for name, layer in layers.items():
         target = sharing_target(layer)
-        resolved = _serving(layers.get(target or ""))
+        resolved = serving(layers.get(target or ""))
         if resolved is not None and not is_kvscale_layer(layer):
             if layer_record(layer) is None:
                 attach_record(layer, LayerRecord(str(name), target=target))
