@@ -1,8 +1,9 @@
 """FP8 (e4m3fn) KV-cache write for vLLM's CPU attention cache layout, in plain torch.
 
-vLLM's CPU build writes its FP8 cache with ``cpu_attn_reshape_and_cache``, which
-rounds toward zero, turns NaN into 448 and -0 into +0. This module writes the
-same cache locations with kvscale's contract instead, bit for bit::
+vLLM's CPU build (0.32) writes its FP8 cache with ``cpu_attn_reshape_and_cache``, which
+rounds toward zero, turns NaN into 448 and -0 into +0; every CUDA path rounds to nearest
+even. This module writes the same cache locations with kvscale's contract instead, bit
+for bit::
 
     (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)   # round to nearest even
 
@@ -17,8 +18,9 @@ contiguous bytes, K first, then V:
     V[t, d] at  block_size * head_size + t * head_size + d
 
 (derived by writing position codes through vLLM's op and reading the bytes back;
-the host adapter re-checks it against vLLM's own op before first use). Other ISAs
-("amx", ...) lay the cache out differently and are not handled here.
+the host adapter re-checks it against vLLM's own op before first use, with
+``layout_matches``). Other ISAs ("amx", ...) lay the cache out differently and are not
+handled here.
 
 Pure torch, no host import, no Python loop over tokens; any strides for ``key`` /
 ``value`` (slices of a fused qkv tensor are fine). The write sits on every layer of
@@ -29,23 +31,37 @@ split in two:
 - ``plan_write(slot_mapping, geometry)``: the byte offset of every K and V element
   in the cache (int64, ``[tokens, 2, heads, head_size]`` flattened) and scratch
   tensors; a dozen small ops, once per model step, shared by every layer whose cache
-  has that geometry (``cache_target``).
+  has that geometry (``cache_target``; a host keeps a step's plans in ``StepPlans``).
 - ``write_planned(key, value, flat, plan, k_scale, v_scale)``: per layer, six ops
   whatever the size: K and V copied (widened) into the plan's fp32 scratch, one
   in-place division by the (K, V) scale pair, one in-place clamp, one conversion to
   e4m3 (torch's, round to nearest even) and one ``scatter_`` of the bytes into a
   flat ``uint8`` view of the cache.
 
-``cpu_fp8_cache_write`` does all three for one call.
+``cpu_fp8_cache_write`` does all three for one call. The same write compiled to one C
+call per layer is ``cpu_native`` (the default where it builds); ``ENV_VAR`` selects
+between them and the host's own write, for every host that serves this layout.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
+from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.fp8 import FP8_E4M3_MAX
+
+ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
+"""Environment variable: ``rne`` (default: kvscale's write, compiled where possible,
+``cpu_native``), ``rne-torch`` (kvscale's write in plain torch, this module) or ``vllm``
+(vLLM's own truncating write for every layer, for comparisons)."""
+
+MODES = ("rne", "rne-torch", "vllm")
 
 #: Cache layouts this module writes (named after vLLM's CPU attention ISA strings).
 LAYOUTS = ("vec",)
@@ -295,3 +311,143 @@ def cpu_fp8_cache_read(
     slots = slot_mapping.to(torch.int64)
     index = (slots // block_size, slots % block_size)
     return key_view[index], value_view[index]
+
+
+def write_mode() -> str:
+    """The mode ``KVSCALE_CPU_FP8_WRITE`` selects (unknown values: one warning, ``rne``)."""
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if raw in ("", "rne"):
+        return "rne"
+    if raw in MODES:
+        return raw
+    warn_once(
+        f"cpu-write-env-{raw}",
+        "kvscale: %s=%r is not one of %s; using 'rne'.",
+        ENV_VAR,
+        raw,
+        "/".join(MODES),
+    )
+    return "rne"
+
+
+@dataclass(frozen=True)
+class HeldTarget:
+    """The write target made for one layer's cache tensor (``cache_target``, or
+    ``cpu_native.native_target``) and the write that addresses it, valid while the host
+    hands over the same tensor with the same storage and geometry (the compiled write
+    keeps a raw pointer: a cache whose storage was swapped must never be written through
+    the old one)."""
+
+    cache: torch.Tensor
+    route: str  # the host's name for the write the target was made for
+    data_ptr: int
+    stride: tuple[int, ...]
+    shape: tuple[int, ...]
+    target: Any
+    write: Callable[..., Any]
+
+    @classmethod
+    def of(
+        cls, kv_cache: torch.Tensor, route: str, target: Any, write: Callable[..., Any]
+    ) -> HeldTarget:
+        """``target`` and ``write``, held for ``kv_cache`` as it is now."""
+        shape = tuple(kv_cache.shape)
+        return cls(kv_cache, route, kv_cache.data_ptr(), kv_cache.stride(), shape, target, write)
+
+    def serves(self, kv_cache: torch.Tensor, route: str) -> bool:
+        return (
+            self.cache is kv_cache
+            and self.route == route
+            and self.data_ptr == kv_cache.data_ptr()
+            and self.stride == kv_cache.stride()
+            and self.shape == tuple(kv_cache.shape)
+        )
+
+
+class StepPlan(NamedTuple):
+    slot_mapping: torch.Tensor  # held: its id stays its own while the plan is kept
+    plan: WritePlan
+
+
+class StepPlans:
+    """Write plans of a host's current model step (see ``plan``)."""
+
+    def __init__(self) -> None:
+        self.context: weakref.ref[Any] | None = None
+        self.plans: dict[tuple[int, tuple[int, ...]], StepPlan] = {}
+
+    def plan(
+        self, slot_mapping: torch.Tensor, geometry: tuple[int, int, int, int, int], context: Any
+    ) -> WritePlan:
+        """The write plan for ``slot_mapping``: computed once per model step and cache
+        geometry, then shared by every layer that writes in that step.
+
+        ``context`` stands for the step (the host's forward context; weakly
+        referenceable). A plan is reused only inside the context it was made in and only
+        for the very tensor object it was made from. Never across steps: a host may refill
+        its slot-mapping buffer between steps, possibly without bumping the tensor's
+        version, so neither the tensor's identity nor its data pointer tells steps apart.
+        The plans are dropped when the step's context is. Without a context (None: direct
+        calls) nothing is reused.
+        """
+        if context is None:
+            return plan_write(slot_mapping, geometry)
+        plans = self.for_context(context)
+        key = (id(slot_mapping), geometry)
+        hit = plans.get(key)
+        if hit is not None and hit.slot_mapping is slot_mapping:
+            return hit.plan
+        plan = plan_write(slot_mapping, geometry)
+        plans[key] = StepPlan(slot_mapping, plan)
+        return plan
+
+    def for_context(self, ctx: Any) -> dict[tuple[int, tuple[int, ...]], StepPlan]:
+        """The plans of ``ctx``'s step (a new step drops the last one's)."""
+        if self.context is None or self.context() is not ctx:
+            self.plans.clear()
+            self.context = weakref.ref(ctx, self._forget)
+        return self.plans
+
+    def _forget(self, ref: weakref.ref[Any]) -> None:
+        """Weakref callback: the step's forward context is gone, and so are its plans."""
+        if self.context is ref:
+            self.plans.clear()
+            self.context = None
+
+
+def layout_matches(
+    reference: Callable[..., None],
+    layout: str,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    write: Callable[..., None] = cpu_fp8_cache_write,
+) -> bool:
+    """Whether ``write`` (``cpu_fp8_cache_write``'s signature; this module's, or
+    ``cpu_native``'s) puts every byte where the host's own op ``reference`` (called as
+    ``reference(key, value, kv_cache, slot_mapping, layout, k_scale, v_scale)``) puts it,
+    for this layout.
+
+    Both write the same exactly representable values (where rounding cannot
+    differ), with padding slots, into scratch caches; the caches must be equal.
+    """
+    num_blocks, num_heads = 3, 2
+    num_tokens = 2 * block_size + 2
+    gen = torch.Generator().manual_seed(0)
+    # Finite nonzero e4m3 codes (not 0x00/0x80/NaN, which vLLM's op maps differently).
+    codes = torch.randint(1, 0x7F, (2, num_tokens, num_heads, head_size), generator=gen)
+    codes |= torch.randint(0, 2, codes.shape, generator=gen) << 7
+    values = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
+    key, value = values[0], values[1]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    shape = (num_blocks, num_heads, block_size, 2 * head_size)
+    theirs = torch.randint(0, 256, shape, generator=gen).to(torch.uint8)
+    ours = theirs.clone()
+    try:
+        reference(key, value, theirs, slots, layout, 1.0, 1.0)
+        write(key, value, ours, slots, 1.0, 1.0, layout)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
+        logger.debug("kvscale: layout check for %s failed: %s", layout, exc)
+        return False
+    return torch.equal(ours, theirs)

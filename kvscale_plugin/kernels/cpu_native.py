@@ -2,7 +2,8 @@
 
 The plain-torch write (``cpu_cache_write``) needs six torch ops per layer and a plan
 per step; at decode sizes their per-op overhead is its whole cost. The same contract
-written as one C loop costs one call: ``write_native`` quantizes K and V
+written as one C loop costs one call, less than vLLM's own (truncating) write:
+``write_native`` quantizes K and V
 (``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)``, bit for bit) straight
 into the cache bytes, slots < 0 skipped, with no temporary tensors.
 
@@ -303,12 +304,13 @@ class NativeTarget(NamedTuple):
     num_kv_heads, head_size)``, strides in bytes: what the C write is given."""
 
 
-def native_target(kv_cache: torch.Tensor) -> NativeTarget:
+def native_target(kv_cache: torch.Tensor, layout: str = "vec") -> NativeTarget:
     """Checks one layer's cache (as ``cpu_cache_write.cpu_cache_views``: 4-d, 1-byte,
-    each (block, head) contiguous, on the CPU) for the compiled write."""
+    each (block, head) contiguous, on the CPU; ``layout`` one of its ``LAYOUTS``) for the
+    compiled write."""
     from kvscale_plugin.kernels.cpu_cache_write import cpu_cache_views
 
-    cpu_cache_views(kv_cache)
+    cpu_cache_views(kv_cache, layout)
     if kv_cache.device.type != "cpu":
         raise ValueError(f"the compiled FP8 write needs a CPU cache, got {kv_cache.device}")
     raw = kv_cache.view(torch.uint8)
@@ -362,3 +364,22 @@ def write_native(
         float(k_scale),
         float(v_scale),
     )
+
+
+def cpu_fp8_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+    layout: str = "vec",
+) -> None:
+    """``cpu_cache_write.cpu_fp8_cache_write`` done by the compiled write (``load()``;
+    ``RuntimeError`` where it is not available): ``native_target`` + ``write_native`` in
+    one call, for checks (a host keeps the target per layer instead)."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the compiled FP8 write is not available: {failure()}")
+    target = native_target(kv_cache, layout)
+    write_native(module, key, value, target, slot_mapping, k_scale, v_scale)

@@ -1,23 +1,17 @@
-"""Round-to-nearest-even FP8 KV-cache write for kvscale layers on vLLM's CPU platform.
+"""kvscale's round-to-nearest-even FP8 KV-cache write for kvscale layers on vLLM's CPU
+platform: the vLLM adapter of ``kvscale_plugin.kernels.cpu_cache_write`` (the contract,
+vLLM's "vec" cache layout, the plain-torch write, ``KVSCALE_CPU_FP8_WRITE``) and
+``kvscale_plugin.kernels.cpu_native`` (the same write compiled, the default).
 
-vLLM 0.32's CPU attention writes an FP8 cache with ``cpu_attn_reshape_and_cache``,
-which rounds toward zero (and turns NaN into 448, -0 into +0); every CUDA path
-rounds to nearest even. For attention layers served by kvscale with an FP8 e4m3
-cache, ``serve_layer`` routes the CPU backend's cache-update step,
-``CPUAttentionBackendImpl.do_kv_cache_update``, to
-``kvscale_plugin.kernels.cpu_cache_write``, which stores exactly
-``(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)`` at the bytes vLLM's CPU
-attention reads, with ``s`` the same Python-float scales that attention
-dequantizes with (``layer._k_scale_float`` / ``_v_scale_float``). The attention
-itself is vLLM's, unchanged.
-
-Two implementations store the same bytes. The default is one C call per layer
-(``kernels/cpu_native``: compiled on first use with the machine's C compiler, about
-half a second once, then cached on disk), which costs less than vLLM's own write. Where
-it cannot be built (no compiler or Python headers: one warning), the plain-torch write
-(``kernels/cpu_cache_write``) is used: the byte offsets of a step's tokens (its "plan")
-are computed once per forward step and shared by all layers (``_step_plan``), and each
-layer then costs six small torch ops.
+vLLM's CPU attention writes an FP8 cache with a truncating op. For attention layers
+served by kvscale with an FP8 e4m3 cache, ``serve_layer`` routes the CPU backend's
+cache-update step, ``CPUAttentionBackendImpl.do_kv_cache_update``, to kvscale's write,
+which stores the contract's values at the positions vLLM's CPU attention reads, quantized
+with the same Python-float scales that attention dequantizes with
+(``layer._k_scale_float`` / ``_v_scale_float``). The attention itself is vLLM's,
+unchanged. The compiled write is used where it builds (else one warning, and the
+plain-torch write, whose per-step plan is shared by all layers of one vLLM forward step:
+``_step_plan``). ``KVSCALE_CPU_FP8_WRITE`` is read when a layer first writes.
 
 The CPU platform ignores ``--attention-backend`` (its ``get_attn_backend_cls`` returns
 CPU_ATTN whatever was selected), so no registered backend can be chosen there. Instead,
@@ -27,39 +21,31 @@ each attention layer served by kvscale gets, when its KV method processes it
 ``--quantization kvscale`` runs vLLM's own write. The subclass hands every call it does
 not own to vLLM's method: layers not served by kvscale, caches that
 are not FP8 e4m3 (bf16, e5m2), encoder attention, input dtypes other than
-bf16 / fp16 / fp32, and cache layouts other than the one proven here ("vec":
-x86 with AVX-512 and no AMX). A layout is also checked against vLLM's own op on a
-scratch cache before its first use; if the bytes disagree, vLLM's write is kept
-with one warning.
-
-``KVSCALE_CPU_FP8_WRITE=vllm`` keeps vLLM's truncating write for every layer (for
-comparisons); ``rne`` (default) selects kvscale's, compiled where possible;
-``rne-torch`` kvscale's in plain torch. Read when a layer first writes.
+bf16 / fp16 / fp32, and cache layouts other than the one proven here ("vec"). A layout
+is also checked against vLLM's own op on a scratch cache before its first use
+(``layout_matches_vllm``); if the bytes disagree, vLLM's write is kept with one warning.
 
 Each impl keeps the route it took per input dtype (``_route``), named by implementation
 and layout: ``"c:vec"``, ``"torch:vec"``; None is vLLM's write.
+
+The kernel modules are imported only in processes that write a kvscale FP8 cache: when a
+kvscale layer first writes (or ``ENV_VAR`` is first asked for).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer
 
-ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
-"""Environment variable: ``rne`` (default: kvscale's write, compiled where possible),
-``rne-torch`` (kvscale's write in plain torch) or ``vllm`` (vLLM's own)."""
-
-MODES = ("rne", "rne-torch", "vllm")
+if TYPE_CHECKING:
+    from kvscale_plugin.kernels.cpu_cache_write import HeldTarget, StepPlans, WritePlan
 
 _ORIGINAL_ATTR = "__kvscale_original__"
 _ROUTE_ATTR = "_kvscale_cpu_write_route"
@@ -67,101 +53,17 @@ _TARGET_ATTR = "_kvscale_cpu_cache_target"
 _FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 _install_lock = threading.Lock()
+_announced = False  # the INFO line is logged once per process
+_step_plans: StepPlans | None = None  # made at the first plain-torch write
 
 
-@dataclass(frozen=True)
-class _Kernels:
-    """kvscale's write, bound when a layer first routes to it (``_decide``): the kernel
-    modules are imported only in processes that write a kvscale FP8 cache."""
+def __getattr__(name: str) -> Any:
+    """``ENV_VAR`` (``cpu_cache_write.ENV_VAR``), imported when first asked for."""
+    if name == "ENV_VAR":
+        from kvscale_plugin.kernels.cpu_cache_write import ENV_VAR
 
-    write: Callable[..., None]  # cpu_cache_write.write_planned
-    target: Callable[..., Any]  # cpu_cache_write.cache_target
-    plan: Callable[..., Any]  # cpu_cache_write.plan_write
-    has_forward_context: Callable[[], bool]
-    get_forward_context: Callable[[], Any]
-    native_module: Any = None  # the compiled write, when it was built
-    native_write: Callable[..., int] | None = None
-    native_target: Callable[..., Any] | None = None
-
-
-class _Process:
-    """This process's cache-write state."""
-
-    kernels: _Kernels | None = None
-    announced = False  # the INFO line is logged once per process
-
-
-_process = _Process()
-
-
-@dataclass(frozen=True)
-class _HeldTarget:
-    """The write target made for one layer's cache tensor, valid while the engine hands
-    over the same tensor with the same storage and geometry (the compiled write keeps a
-    raw pointer: a cache whose storage was swapped must never be written through the
-    old one)."""
-
-    cache: torch.Tensor
-    route: str
-    data_ptr: int
-    stride: tuple[int, ...]
-    shape: tuple[int, ...]
-    target: Any
-
-    def serves(self, kv_cache: torch.Tensor, route: str) -> bool:
-        return (
-            self.cache is kv_cache
-            and self.route == route
-            and self.data_ptr == kv_cache.data_ptr()
-            and self.stride == kv_cache.stride()
-            and self.shape == tuple(kv_cache.shape)
-        )
-
-
-class _StepPlan(NamedTuple):
-    slot_mapping: torch.Tensor  # held: its id stays its own while the plan is kept
-    plan: Any
-
-
-class _StepPlans:
-    """Write plans of the current forward step (see ``_step_plan``)."""
-
-    def __init__(self) -> None:
-        self.context: weakref.ref[Any] | None = None
-        self.plans: dict[tuple[int, tuple[int, ...]], _StepPlan] = {}
-
-    def for_context(self, ctx: Any) -> dict[tuple[int, tuple[int, ...]], _StepPlan]:
-        """The plans of ``ctx``'s step (a new step drops the last one's)."""
-        if self.context is None or self.context() is not ctx:
-            self.plans.clear()
-            self.context = weakref.ref(ctx, self._forget)
-        return self.plans
-
-    def _forget(self, ref: weakref.ref[Any]) -> None:
-        """Weakref callback: the step's forward context is gone, and so are its plans."""
-        if self.context is ref:
-            self.plans.clear()
-            self.context = None
-
-
-_step_plans = _StepPlans()
-
-
-def write_mode() -> str:
-    """The mode ``KVSCALE_CPU_FP8_WRITE`` selects (unknown values: one warning, ``rne``)."""
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw in ("", "rne"):
-        return "rne"
-    if raw in MODES:
-        return raw
-    warn_once(
-        f"cpu-write-env-{raw}",
-        "kvscale: %s=%r is not one of %s; using 'rne'.",
-        ENV_VAR,
-        raw,
-        "/".join(MODES),
-    )
-    return "rne"
+        return ENV_VAR
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _subclasses: dict[type, type] = {}
@@ -213,72 +115,55 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         if route is None:
             original(self, layer, key, value, kv_cache, slot_mapping)
             return
-        kernels = _process.kernels
-        assert kernels is not None  # bound by _decide before any route is taken
-        held: _HeldTarget | None = self.__dict__.get(_TARGET_ATTR)
+        held: HeldTarget | None = self.__dict__.get(_TARGET_ATTR)
         if held is None or not held.serves(kv_cache, route):
-            # A normal (not inference-mode) view: writable both in vLLM's
-            # inference-mode forward and outside it.
-            with torch.inference_mode(False):
-                made = (
-                    kernels.native_target(kv_cache)
-                    if route == "c:vec"  # only routed there when the compiled write loaded
-                    else kernels.target(kv_cache, route.split(":", 1)[1])
-                )
-            held = _HeldTarget(
-                kv_cache, route, kv_cache.data_ptr(), kv_cache.stride(), tuple(kv_cache.shape), made
-            )
-            setattr(self, _TARGET_ATTR, held)
-        target = held.target
+            held = _hold(self, kv_cache, route)
+        k_scale, v_scale = layer._k_scale_float, layer._v_scale_float
         if route == "c:vec":
-            kernels.native_write(
-                kernels.native_module,
-                key,
-                value,
-                target,
-                slot_mapping,
-                layer._k_scale_float,
-                layer._v_scale_float,
-            )
+            held.write(key, value, held.target, slot_mapping, k_scale, v_scale)
             return
-        flat, geometry = target
-        kernels.write(
-            key,
-            value,
-            flat,
-            _step_plan(kernels, slot_mapping, geometry),
-            layer._k_scale_float,
-            layer._v_scale_float,
-        )
+        flat, geometry = held.target
+        held.write(key, value, flat, _step_plan(slot_mapping, geometry), k_scale, v_scale)
 
     setattr(do_kv_cache_update, _ORIGINAL_ATTR, original)
     return do_kv_cache_update
 
 
-def _step_plan(kernels: _Kernels, slot_mapping: torch.Tensor, geometry: tuple[int, ...]) -> Any:
-    """The write plan for ``slot_mapping``: computed once per forward step and cache
-    geometry, then shared by every layer that writes in that step.
+def _hold(impl: Any, kv_cache: torch.Tensor, route: str) -> HeldTarget:
+    """Make (and keep on ``impl``) the write target of ``route`` for ``kv_cache``: bound
+    here, with the kernel modules, so the write itself imports nothing."""
+    from kvscale_plugin.kernels import cpu_cache_write, cpu_native
 
-    A plan is reused only inside the vLLM forward context it was made in (one model
-    step; speculative-decoding draft steps each set their own) and only for the very
-    tensor object it was made from (vLLM hands the same ``slot_mapping`` to every
-    layer of a KV-cache group in a step). Never across steps: vLLM refills its
-    slot-mapping buffer between steps, possibly without bumping the tensor's version,
-    so neither the tensor's identity nor its data pointer tells steps apart. The
-    plans are dropped when the step's context is. Outside a forward context (direct
-    calls) nothing is reused.
-    """
-    ctx = kernels.get_forward_context() if kernels.has_forward_context() else None
-    if ctx is None:
-        return kernels.plan(slot_mapping, geometry)
-    plans = _step_plans.for_context(ctx)
-    key = (id(slot_mapping), geometry)
-    hit = plans.get(key)
-    if hit is not None and hit.slot_mapping is slot_mapping:
-        return hit.plan
-    plan = kernels.plan(slot_mapping, geometry)
-    plans[key] = _StepPlan(slot_mapping, plan)
-    return plan
+    implementation, layout = route.split(":", 1)
+    # A normal (not inference-mode) view: writable both in vLLM's inference-mode
+    # forward and outside it.
+    with torch.inference_mode(False):
+        if implementation == "c":  # only routed there when the compiled write loaded
+            target = cpu_native.native_target(kv_cache, layout)
+            write = functools.partial(cpu_native.write_native, cpu_native.load())
+        else:
+            target = cpu_cache_write.cache_target(kv_cache, layout)
+            write = cpu_cache_write.write_planned
+    held = cpu_cache_write.HeldTarget.of(kv_cache, route, target, write)
+    setattr(impl, _TARGET_ATTR, held)
+    return held
+
+
+def _step_plan(slot_mapping: torch.Tensor, geometry: tuple[int, int, int, int, int]) -> WritePlan:
+    """The write plan for ``slot_mapping`` (``StepPlans.plan``), shared inside the vLLM
+    forward context it was made in: one model step (speculative-decoding draft steps each
+    set their own), in which vLLM hands the same ``slot_mapping`` to every layer of a
+    KV-cache group (and refills it in place between steps). Outside one (direct calls)
+    the context is None."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    global _step_plans
+    if _step_plans is None:
+        from kvscale_plugin.kernels.cpu_cache_write import StepPlans
+
+        _step_plans = StepPlans()
+    ctx = get_forward_context() if is_forward_context_available() else None
+    return _step_plans.plan(slot_mapping, geometry, ctx)
 
 
 def _route(
@@ -305,7 +190,7 @@ def _decide(
 ) -> str | None:
     from vllm.v1.attention.backend import AttentionType
 
-    from kvscale_plugin.kernels.cpu_cache_write import INPUT_DTYPES, LAYOUTS
+    from kvscale_plugin.kernels.cpu_cache_write import ENV_VAR, INPUT_DTYPES, LAYOUTS, write_mode
 
     if not is_kvscale_layer(layer):
         return None
@@ -343,22 +228,11 @@ def _decide(
             "/".join(LAYOUTS),
         )
         return None
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
     from kvscale_plugin.kernels import cpu_native
-    from kvscale_plugin.kernels.cpu_cache_write import cache_target, plan_write, write_planned
 
     implementation = "torch"
-    native: dict[str, Any] = {}
-    if mode == "rne":
-        module = cpu_native.load()  # one warning when it cannot be built
-        if module is not None:
-            implementation = "c"
-            native = {
-                "native_module": module,
-                "native_write": cpu_native.write_native,
-                "native_target": cpu_native.native_target,
-            }
+    if mode == "rne" and cpu_native.load() is not None:  # one warning when it cannot be built
+        implementation = "c"
     if implementation == "c" and not layout_matches_vllm(isa, block_size, two_hs // 2, dtype, "c"):
         warn_once(
             f"cpu-write-layout-c-{isa}-{block_size}-{two_hs // 2}",
@@ -383,17 +257,9 @@ def _decide(
             two_hs // 2,
         )
         return None
-    if _process.kernels is None or (native and _process.kernels.native_module is None):
-        _process.kernels = _Kernels(
-            write_planned,
-            cache_target,
-            plan_write,
-            is_forward_context_available,
-            get_forward_context,
-            **native,
-        )
-    if not _process.announced:
-        _process.announced = True
+    global _announced
+    if not _announced:
+        _announced = True
         logger.info(
             "kvscale: FP8 KV cache of kvscale layers written with round-to-nearest-even "
             "on the CPU (%s; %s=vllm restores vLLM's truncating write).",
@@ -436,40 +302,11 @@ def layout_matches_vllm(
     isa: str, block_size: int, head_size: int, dtype: torch.dtype, implementation: str = "torch"
 ) -> bool:
     """Whether kvscale's write (``implementation``: ``"c"`` or ``"torch"``) puts every
-    byte where vLLM's op puts it, for this layout.
+    byte where vLLM's op (``vllm_cpu_write``) puts it, for this layout
+    (``cpu_cache_write.layout_matches``)."""
+    from kvscale_plugin.kernels import cpu_cache_write, cpu_native
 
-    Both write the same exactly representable values (where rounding cannot
-    differ), with padding slots, into scratch caches; the caches must be equal.
-    """
-    from kvscale_plugin.kernels.cpu_cache_write import cpu_fp8_cache_write
-
-    num_blocks, num_heads = 3, 2
-    num_tokens = 2 * block_size + 2
-    gen = torch.Generator().manual_seed(0)
-    # Finite nonzero e4m3 codes (not 0x00/0x80/NaN, which vLLM's op maps differently).
-    codes = torch.randint(1, 0x7F, (2, num_tokens, num_heads, head_size), generator=gen)
-    codes |= torch.randint(0, 2, codes.shape, generator=gen) << 7
-    values = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
-    key, value = values[0], values[1]
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[::5] = -1
-    shape = (num_blocks, num_heads, block_size, 2 * head_size)
-    theirs = torch.randint(0, 256, shape, generator=gen).to(torch.uint8)
-    ours = theirs.clone()
-    try:
-        vllm_cpu_write(key, value, theirs, slots, isa, 1.0, 1.0)
-        if implementation == "c":
-            from kvscale_plugin.kernels import cpu_native
-
-            module = cpu_native.load()
-            if module is None:
-                return False
-            cpu_native.write_native(
-                module, key, value, cpu_native.native_target(ours), slots, 1.0, 1.0
-            )
-        else:
-            cpu_fp8_cache_write(key, value, ours, slots, 1.0, 1.0, isa)
-    except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
-        logger.debug("kvscale: layout check for %s failed: %s", isa, exc)
-        return False
-    return torch.equal(ours, theirs)
+    ours = cpu_native if implementation == "c" else cpu_cache_write
+    return cpu_cache_write.layout_matches(
+        vllm_cpu_write, isa, block_size, head_size, dtype, ours.cpu_fp8_cache_write
+    )
