@@ -50,10 +50,14 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The schema module (pydantic models) loads on first use, so that
     # ``python -m kvscale_plugin.inspection.schema`` does not import it twice.
-    if name in ("SCHEMA_VERSION", "report_to_json"):
-        from kvscale_plugin.inspection import schema
+    if name == "SCHEMA_VERSION":
+        from kvscale_plugin.inspection.schema import SCHEMA_VERSION
 
-        return getattr(schema, name)
+        return SCHEMA_VERSION
+    if name == "report_to_json":
+        from kvscale_plugin.inspection.output import report_to_json
+
+        return report_to_json
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -74,12 +78,12 @@ def run_inspect(model_dir: str, as_json: bool = False, host: str = "vllm") -> in
     except CheckpointError as exc:
         print(f"kvscale inspect: error: {exc}", file=sys.stderr)
         if as_json:
-            from kvscale_plugin.inspection.schema import error_to_json
+            from kvscale_plugin.inspection.output import error_to_json
 
             print(json.dumps(error_to_json(str(model_dir), host, exc), indent=2))
         return 2
     if as_json:
-        from kvscale_plugin.inspection.schema import report_to_json
+        from kvscale_plugin.inspection.output import report_to_json
 
         hub = None if source is None else source.to_json()
         print(json.dumps(report_to_json(report, hub), indent=2))
