@@ -130,7 +130,7 @@ def test_plot_draws_the_scales_of_engines_refused_after_loading(tmp_path):
     """On a CPU without AVX-512 / AMX every FP8 engine is refused after loading: the
     right-hand plot still draws the scales each one's layers held (dotted), as the table
     lists them, instead of only the engines that ran."""
-    from kvscale_plugin.demo.runner import EngineResult, scale_lines, write_plot
+    from kvscale_plugin.demo.results import EngineResult, scale_lines, write_plot
 
     refused = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
     rows = [
@@ -150,7 +150,7 @@ def test_plot_draws_the_scales_of_engines_refused_after_loading(tmp_path):
 
 
 def test_table_summarizes_many_layers_and_keeps_few():
-    from kvscale_plugin.demo.runner import EngineResult, render_table
+    from kvscale_plugin.demo.results import EngineResult, render_table
 
     many = [0.5 + 0.01 * i for i in range(30)]
     many[7], many[18] = 0.1, 2.0
