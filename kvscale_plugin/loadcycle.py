@@ -1,7 +1,9 @@
-"""The load cycle, decided once for every host: what each scale tensor a loader is given
-holds (``read_scale``), whether a layer serves the checkpoint's k/v scales
+"""The load cycle, decided once for every host: the weight loaders a host gives its KV
+method's placeholders (``scale_loader``, ``zero_point_loader``), what each scale tensor a
+loader is given holds (``read_scale``), whether a layer serves the checkpoint's k/v scales
 (``serves_checkpoint_scales``), and what a load or reload does with what it loaded
-(``decide``). The host adapters translate their host's API to these calls and back.
+(``decide``). The host adapters translate their host's API to these calls and back; what
+the user is told about a cycle is worded in ``notices``.
 
 A layer's cache serves checkpoint scales when it is a statically quantized cache
 (FP8 with one scale per layer or per head) and the scheme allows it: a supported scheme,
@@ -51,7 +53,7 @@ from typing import Any
 
 import torch
 
-from kvscale_plugin._log import logger, shorten
+from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.scales import (
     CorruptScales,
@@ -88,14 +90,6 @@ def serves_checkpoint_scales(verdict: SchemeVerdict, cache_dtype: str, *, quanti
     return verdict.supported or not verdict.declared
 
 
-def dynamic_scales_notice(cache_dtype: str) -> str:
-    """The one line said (once per engine) for a cache that computes its own scales."""
-    return (
-        f"kvscale: --kv-cache-dtype {cache_dtype} computes its k/v scales per token and head "
-        "as it writes the cache: the checkpoint's k/v scales are not used (nor checked)."
-    )
-
-
 def read_scale(
     tensor_name: str,
     loaded: torch.Tensor,
@@ -118,6 +112,53 @@ def read_scale(
     if heads is None:
         return (float(values[0]),), []
     return heads.take(values, is_query=is_query), []
+
+
+# Loaders are plain functions (not functools.partial): vLLM's in-place reload wraps them
+# and reads their __name__; its replay binds the first argument "param". SGLang passes
+# loaders extra positional arguments (shard ids), which they ignore.
+def scale_loader(
+    record: LayerRecord, kind: str, heads: HeadLayout | None, *, into_param: bool = False
+) -> Callable[..., None]:
+    """Scale ``kind``'s weight loader, the same for every host: each tensor it is given is
+    read by ``loadcycle.read_scale`` (every element checked, this rank's ``heads`` kept); a
+    bad one goes to the layer's record of refusals (``corrupt``, ``corrupt_q`` for a q
+    scale; reported with every other after loading), a good one to ``record.loaded``. The
+    served tensors change only when the cycle is processed. ``into_param``: the value is
+    copied into the placeholder too (vLLM's layerwise reload counts the elements a loader
+    copies to know that a layer loaded something; SGLang's placeholder is the served
+    tensor, which must not change before the cycle is decided)."""
+    is_query = kind == "q_scale"
+    corrupt = record.corrupt_q if is_query else record.corrupt
+
+    def load_kv_scale(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
+        name = record.tensor_name(kind)
+        corrupt.forget(name)
+        values, problems = read_scale(name, loaded_weight, heads, is_query=is_query)
+        if values is None:
+            corrupt.add(problems)
+            return
+        record.loaded[kind] = values
+        if into_param:
+            param.data.copy_(torch.tensor(values, dtype=torch.float32).reshape(param.shape))
+
+    return load_kv_scale
+
+
+def zero_point_loader(tensor_name: str) -> Callable[..., None]:
+    """Zero points are accepted and dropped (symmetric only); a non-zero one is reported."""
+
+    def load_kv_zero_point(param: torch.Tensor, loaded_weight: torch.Tensor, *_: Any) -> None:
+        if loaded_weight.numel() and bool((loaded_weight.float() != 0).any()):
+            warn_once(
+                f"zero-point:{tensor_name}",
+                "kvscale: checkpoint tensor '%s' holds a non-zero zero point; KV-cache "
+                "quantization is symmetric here, so it is ignored. Re-export the checkpoint "
+                "with a symmetric kv_cache_scheme if K/V are off-centre.",
+                tensor_name,
+            )
+
+    return load_kv_zero_point
 
 
 class Action(str, Enum):
@@ -167,39 +208,6 @@ def decide(
     if k is None and v is None and reload:
         return Outcome(Action.KEEP, carried_none=True)
     return Outcome(Action.SERVE, resolve_kv_scales(k, v, fnuz=fnuz))
-
-
-def unused_corrupt_message(corrupt: CorruptScales) -> str:
-    """The warning for corrupt scales a cache does not use (a bf16 cache: an FP8 start
-    would refuse them)."""
-    return (
-        "kvscale: the KV cache does not use the checkpoint's k/v scales (it is not FP8), "
-        "so these corrupt ones are not served, and the engine goes on as before; an FP8 "
-        "KV cache would refuse this checkpoint:\n"
-        + corrupt.message()
-        + "\nFix or re-calibrate them (check with `kvscale inspect`)."
-    )
-
-
-def reload_without_scales_message(layer_names: Iterable[str]) -> str:
-    """The warning for a reload that gave layers that serve checkpoint scales none."""
-    return (
-        "kvscale: the reloaded weights carry no k_scale/v_scale tensors for "
-        f"{shorten(layer_names)}, although the checkpoint declares a kv_cache_scheme; those "
-        "layers keep the scales they had (1.0 after a dummy start). Reload a checkpoint with "
-        "calibrated KV scales (kvscale calibrate), or serve with a bf16 KV cache."
-    )
-
-
-def refused_reload_message(corrupt: CorruptScales, host: str) -> str:
-    """The error of a reload refused for corrupt scales (``corrupt``: named as on disk)."""
-    return (
-        corrupt.message()
-        + "\nThe reload's KV scales are refused: every attention layer keeps the KV scales "
-        f"it had. The reload's other weights are in place ({host} loads them before the "
-        "scales can be checked): reload a checkpoint with valid KV scales (check it with "
-        "`kvscale inspect`) before relying on this engine's outputs."
-    )
 
 
 #: The attribute a host's attention layer keeps its ``LayerRecord`` in.

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvscale_plugin.heads import HeadLayout
-from kvscale_plugin.hosts._common import scale_loader
 from kvscale_plugin.loadcycle import (
     Action,
     Cycle,
@@ -18,9 +17,12 @@ from kvscale_plugin.loadcycle import (
     decide,
     layer_record,
     read_scale,
+    scale_loader,
+    serves_checkpoint_scales,
+)
+from kvscale_plugin.notices import (
     refused_reload_message,
     reload_without_scales_message,
-    serves_checkpoint_scales,
     unused_corrupt_message,
 )
 from kvscale_plugin.scales import CorruptScales, unscaled

@@ -45,16 +45,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.heads import HeadLayout
-from kvscale_plugin.hosts._common import (
-    announce_verdict,
-    claims_checkpoint,
-    no_checkpoint_config_error,
-    scale_loader,
-    warn_missing_scales,
-    warn_reload_without_scales,
-    warn_unused_corrupt,
-    zero_point_loader,
-)
+from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
 from kvscale_plugin.hosts.sglang.backends import (
     BackendAction,
     BackendVerdict,
@@ -69,9 +60,17 @@ from kvscale_plugin.loadcycle import (
     LayerRecord,
     decide,
     layer_record,
-    refused_reload_message,
+    scale_loader,
     serve_target,
     serves_checkpoint_scales,
+    zero_point_loader,
+)
+from kvscale_plugin.notices import (
+    announce_verdict,
+    refused_reload_message,
+    warn_missing_scales,
+    warn_reload_without_scales,
+    warn_unused_corrupt,
 )
 from kvscale_plugin.scales import SENTINEL, CorruptScaleError, CorruptScales, ResolvedScales
 from kvscale_plugin.scheme import SchemeVerdict

@@ -49,19 +49,16 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_pl
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
-from kvscale_plugin.hosts._common import (
-    parameter_names,
-    resolve_attribute,
-    warn_unmapped_scales,
-)
+from kvscale_plugin.hosts._common import parameter_names, resolve_attribute
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
-from kvscale_plugin.loadcycle import layer_record, refused_reload_message
+from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
     mtp_layer_ordinal,
     names_attention_layer,
 )
+from kvscale_plugin.notices import refused_reload_message, warn_unmapped_scales
 from kvscale_plugin.releases import SGLANG_RUN
 
 #: The SGLang release these patches were written against (and tested with).

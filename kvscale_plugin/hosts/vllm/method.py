@@ -32,16 +32,7 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import info_once, warn_once
-from kvscale_plugin.hosts._common import (
-    announce_verdict,
-    claims_checkpoint,
-    no_checkpoint_config_error,
-    scale_loader,
-    warn_missing_scales,
-    warn_unmapped_scales,
-    warn_unused_corrupt,
-    zero_point_loader,
-)
+from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import (
     DRAFT_SCOPE,
@@ -65,15 +56,23 @@ from kvscale_plugin.loadcycle import (
     LayerRecord,
     computes_own_scales,
     decide,
-    dynamic_scales_notice,
     layer_record,
+    scale_loader,
     serve_target,
+    zero_point_loader,
 )
 from kvscale_plugin.names import (
     declared_mtp_layers,
     map_scale_name,
     mtp_layer_ordinal,
     names_attention_layer,
+)
+from kvscale_plugin.notices import (
+    announce_verdict,
+    dynamic_scales_notice,
+    warn_missing_scales,
+    warn_unmapped_scales,
+    warn_unused_corrupt,
 )
 from kvscale_plugin.scales import (
     SENTINEL,

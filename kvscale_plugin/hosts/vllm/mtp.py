@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kvscale_plugin.hosts._common import warn_unmapped_scales
 from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import (
     DRAFT_SCOPE,
@@ -29,6 +28,7 @@ from kvscale_plugin.hosts.vllm.layers import (
 )
 from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.names import map_scale_name, mtp_layer_ordinal
+from kvscale_plugin.notices import warn_unmapped_scales
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from kvscale_plugin._log import shorten, warn_once
-from kvscale_plugin.hosts._common import warn_reload_without_scales, warn_unused_corrupt
 from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import (
     EngineConfig,
@@ -44,7 +43,12 @@ from kvscale_plugin.hosts.vllm.layers import (
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
-from kvscale_plugin.loadcycle import LayerRecord, layer_record, refused_reload_message
+from kvscale_plugin.loadcycle import LayerRecord, layer_record
+from kvscale_plugin.notices import (
+    refused_reload_message,
+    warn_reload_without_scales,
+    warn_unused_corrupt,
+)
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales
 
 
