@@ -10,9 +10,11 @@ ones kvscale passes or reads.
 from __future__ import annotations
 
 import ast
+import fcntl
 import functools
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -191,40 +193,39 @@ def target_problem(
 
 
 def fetch_sources(requirement: str, package: str, cache: Path) -> Sources:
-    """``pip download --no-deps requirement`` into ``cache`` (once) and unpack its
-    ``package`` sources (``*.py`` only). Raises ``RuntimeError`` with pip's output."""
+    """``pip download --no-deps requirement`` (once) and unpack its ``package`` sources
+    (``*.py`` only) into ``cache``. Raises ``RuntimeError`` with pip's output.
+
+    Safe when several processes fetch into one cache at once (pytest-xdist workers, the
+    SGLang side of ``make test``): one fetch per requirement at a time (a file lock), each
+    into a download folder of its own, so nobody opens a wheel another is still writing."""
     name = requirement.replace("==", "-")
     unpacked = cache / name
     marker = unpacked / ".complete"
-    if not marker.exists():
-        wheels = cache / "wheels"
-        wheels.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "-d",
-                str(wheels),
-                requirement,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        dist, version = requirement.split("==")
-        stem = dist.replace("-", "_")
-        matches = sorted(wheels.glob(f"{stem}-{version}-*.whl"))
-        if proc.returncode != 0 or not matches:
-            raise RuntimeError(f"pip download {requirement} failed: {proc.stderr[-2000:]}")
-        with zipfile.ZipFile(matches[0]) as zf:
-            for member in zf.namelist():
-                if member.startswith(f"{package}/") and member.endswith(".py"):
-                    zf.extract(member, unpacked)
-        marker.touch()
+    if marker.exists():
+        return Sources(unpacked)
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not marker.exists():
+            with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as wheels:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", wheels]
+                    + [requirement],
+                    capture_output=True,
+                    text=True,
+                    timeout=1200,
+                )
+                dist, version = requirement.split("==")
+                stem = dist.replace("-", "_")
+                matches = sorted(Path(wheels).glob(f"{stem}-{version}-*.whl"))
+                if proc.returncode != 0 or not matches:
+                    raise RuntimeError(f"pip download {requirement} failed: {proc.stderr[-2000:]}")
+                with zipfile.ZipFile(matches[0]) as zf:
+                    for member in zf.namelist():
+                        if member.startswith(f"{package}/") and member.endswith(".py"):
+                            zf.extract(member, unpacked)
+            marker.touch()
     return Sources(unpacked)
 
 
