@@ -95,7 +95,7 @@ def warn_missing_scales(layer_names: Iterable[str], scope: str = "") -> None:
 
 def warn_unused_corrupt(corrupt: CorruptScales, scope: str = "") -> None:
     """One warning per engine (``scope``) and set of tensors: corrupt scales that this
-    engine's KV cache does not use (``loadcycle.unused_corrupt_message``)."""
+    engine's KV cache does not use (``unused_corrupt_message``)."""
     labels = ",".join(sorted(corrupt.as_mapping()))
     warn_once(f"{scope}unused-corrupt:{labels}", "%s", unused_corrupt_message(corrupt))
 

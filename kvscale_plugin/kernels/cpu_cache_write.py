@@ -39,13 +39,12 @@ split in two:
   flat ``uint8`` view of the cache.
 
 ``cpu_fp8_cache_write`` does all three for one call. The same write compiled to one C
-call per layer is ``cpu_native`` (the default where it builds); ``ENV_VAR`` selects
-between them and the host's own write, for every host that serves this layout.
+call per layer is ``cpu_native`` (the default where it builds); the host adapter chooses
+between them and the host's own write (vLLM: ``KVSCALE_CPU_FP8_WRITE``).
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,15 +52,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin._log import logger
 from kvscale_plugin.fp8 import FP8_E4M3_MAX
-
-ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
-"""Environment variable: ``rne`` (default: kvscale's write, compiled where possible,
-``cpu_native``), ``rne-torch`` (kvscale's write in plain torch, this module) or ``vllm``
-(vLLM's own truncating write for every layer, for comparisons)."""
-
-MODES = ("rne", "rne-torch", "vllm")
 
 #: Cache layouts this module writes (named after vLLM's CPU attention ISA strings).
 LAYOUTS = ("vec",)
@@ -313,46 +305,25 @@ def cpu_fp8_cache_read(
     return key_view[index], value_view[index]
 
 
-def write_mode() -> str:
-    """The mode ``KVSCALE_CPU_FP8_WRITE`` selects (unknown values: one warning, ``rne``)."""
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw in ("", "rne"):
-        return "rne"
-    if raw in MODES:
-        return raw
-    warn_once(
-        f"cpu-write-env-{raw}",
-        "kvscale: %s=%r is not one of %s; using 'rne'.",
-        ENV_VAR,
-        raw,
-        "/".join(MODES),
-    )
-    return "rne"
-
-
 @dataclass(frozen=True)
 class HeldTarget:
-    """The write target made for one layer's cache tensor (``cache_target``, or
-    ``cpu_native.native_target``) and the write that addresses it, valid while the host
-    hands over the same tensor with the same storage and geometry (the compiled write
-    keeps a raw pointer: a cache whose storage was swapped must never be written through
-    the old one)."""
+    """The write a host made for one layer's cache tensor (bound to its ``cache_target``, or
+    ``cpu_native.native_target``), valid while the host hands over the same tensor with the
+    same storage and geometry (the compiled write keeps a raw pointer: a cache whose
+    storage was swapped must never be written through the old one)."""
 
     cache: torch.Tensor
-    route: str  # the host's name for the write the target was made for
+    route: str  # the host's name for the write
     data_ptr: int
     stride: tuple[int, ...]
     shape: tuple[int, ...]
-    target: Any
-    write: Callable[..., Any]
+    write: Callable[..., None]  # write(key, value, slot_mapping, k_scale, v_scale)
 
     @classmethod
-    def of(
-        cls, kv_cache: torch.Tensor, route: str, target: Any, write: Callable[..., Any]
-    ) -> HeldTarget:
-        """``target`` and ``write``, held for ``kv_cache`` as it is now."""
+    def of(cls, kv_cache: torch.Tensor, route: str, write: Callable[..., None]) -> HeldTarget:
+        """``write``, held for ``kv_cache`` as it is now."""
         shape = tuple(kv_cache.shape)
-        return cls(kv_cache, route, kv_cache.data_ptr(), kv_cache.stride(), shape, target, write)
+        return cls(kv_cache, route, kv_cache.data_ptr(), kv_cache.stride(), shape, write)
 
     def serves(self, kv_cache: torch.Tensor, route: str) -> bool:
         return (

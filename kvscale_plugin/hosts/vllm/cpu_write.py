@@ -1,7 +1,7 @@
 """kvscale's round-to-nearest-even FP8 KV-cache write for kvscale layers on vLLM's CPU
 platform: the vLLM adapter of ``kvscale_plugin.kernels.cpu_cache_write`` (the contract,
-vLLM's "vec" cache layout, the plain-torch write, ``KVSCALE_CPU_FP8_WRITE``) and
-``kvscale_plugin.kernels.cpu_native`` (the same write compiled, the default).
+vLLM's "vec" cache layout, the plain-torch write) and ``kvscale_plugin.kernels.cpu_native``
+(the same write compiled, the default); ``KVSCALE_CPU_FP8_WRITE`` (``ENV_VAR``) chooses.
 
 vLLM's CPU attention writes an FP8 cache with a truncating op. For attention layers
 served by kvscale with an FP8 e4m3 cache, ``serve_layer`` routes the CPU backend's
@@ -11,7 +11,7 @@ with the same Python-float scales that attention dequantizes with
 (``layer._k_scale_float`` / ``_v_scale_float``). The attention itself is vLLM's,
 unchanged. The compiled write is used where it builds (else one warning, and the
 plain-torch write, whose per-step plan is shared by all layers of one vLLM forward step:
-``_step_plan``). ``KVSCALE_CPU_FP8_WRITE`` is read when a layer first writes.
+``_planned_write``). ``KVSCALE_CPU_FP8_WRITE`` is read when a layer first writes.
 
 The CPU platform ignores ``--attention-backend`` (its ``get_attn_backend_cls`` returns
 CPU_ATTN whatever was selected), so no registered backend can be chosen there. Instead,
@@ -29,12 +29,13 @@ Each impl keeps the route it took per input dtype (``_route``), named by impleme
 and layout: ``"c:vec"``, ``"torch:vec"``; None is vLLM's write.
 
 The kernel modules are imported only in processes that write a kvscale FP8 cache: when a
-kvscale layer first writes (or ``ENV_VAR`` is first asked for).
+kvscale layer first writes.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer
 
 if TYPE_CHECKING:
-    from kvscale_plugin.kernels.cpu_cache_write import HeldTarget, StepPlans, WritePlan
+    from kvscale_plugin.kernels.cpu_cache_write import HeldTarget, StepPlans
 
 _ORIGINAL_ATTR = "__kvscale_original__"
 _ROUTE_ATTR = "_kvscale_cpu_write_route"
@@ -57,13 +58,29 @@ _announced = False  # the INFO line is logged once per process
 _step_plans: StepPlans | None = None  # made at the first plain-torch write
 
 
-def __getattr__(name: str) -> Any:
-    """``ENV_VAR`` (``cpu_cache_write.ENV_VAR``), imported when first asked for."""
-    if name == "ENV_VAR":
-        from kvscale_plugin.kernels.cpu_cache_write import ENV_VAR
+ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
+"""Environment variable: ``rne`` (default: kvscale's write, compiled where possible,
+``cpu_native``), ``rne-torch`` (kvscale's write in plain torch, ``cpu_cache_write``) or
+``vllm`` (vLLM's own truncating write for every layer, for comparisons)."""
 
-        return ENV_VAR
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+MODES = ("rne", "rne-torch", "vllm")
+
+
+def write_mode() -> str:
+    """The mode ``KVSCALE_CPU_FP8_WRITE`` selects (unknown values: one warning, ``rne``)."""
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if raw in ("", "rne"):
+        return "rne"
+    if raw in MODES:
+        return raw
+    warn_once(
+        f"cpu-write-env-{raw}",
+        "kvscale: %s=%r is not one of %s; using 'rne'.",
+        ENV_VAR,
+        raw,
+        "/".join(MODES),
+    )
+    return "rne"
 
 
 _subclasses: dict[type, type] = {}
@@ -118,20 +135,16 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         held: HeldTarget | None = self.__dict__.get(_TARGET_ATTR)
         if held is None or not held.serves(kv_cache, route):
             held = _hold(self, kv_cache, route)
-        k_scale, v_scale = layer._k_scale_float, layer._v_scale_float
-        if route == "c:vec":
-            held.write(key, value, held.target, slot_mapping, k_scale, v_scale)
-            return
-        flat, geometry = held.target
-        held.write(key, value, flat, _step_plan(slot_mapping, geometry), k_scale, v_scale)
+        held.write(key, value, slot_mapping, layer._k_scale_float, layer._v_scale_float)
 
     setattr(do_kv_cache_update, _ORIGINAL_ATTR, original)
     return do_kv_cache_update
 
 
 def _hold(impl: Any, kv_cache: torch.Tensor, route: str) -> HeldTarget:
-    """Make (and keep on ``impl``) the write target of ``route`` for ``kv_cache``: bound
-    here, with the kernel modules, so the write itself imports nothing."""
+    """Make (and keep on ``impl``) the write of ``route`` into ``kv_cache``, with what it
+    needs bound here once (kernel modules, the cache's target, vLLM's forward-context
+    getters), so that a write imports and looks up nothing."""
     from kvscale_plugin.kernels import cpu_cache_write, cpu_native
 
     implementation, layout = route.split(":", 1)
@@ -139,31 +152,42 @@ def _hold(impl: Any, kv_cache: torch.Tensor, route: str) -> HeldTarget:
     # forward and outside it.
     with torch.inference_mode(False):
         if implementation == "c":  # only routed there when the compiled write loaded
-            target = cpu_native.native_target(kv_cache, layout)
-            write = functools.partial(cpu_native.write_native, cpu_native.load())
+            write = _native_write(cpu_native, cpu_native.native_target(kv_cache, layout))
         else:
-            target = cpu_cache_write.cache_target(kv_cache, layout)
-            write = cpu_cache_write.write_planned
-    held = cpu_cache_write.HeldTarget.of(kv_cache, route, target, write)
+            write = _planned_write(cpu_cache_write, cpu_cache_write.cache_target(kv_cache, layout))
+    held = cpu_cache_write.HeldTarget.of(kv_cache, route, write)
     setattr(impl, _TARGET_ATTR, held)
     return held
 
 
-def _step_plan(slot_mapping: torch.Tensor, geometry: tuple[int, int, int, int, int]) -> WritePlan:
-    """The write plan for ``slot_mapping`` (``StepPlans.plan``), shared inside the vLLM
-    forward context it was made in: one model step (speculative-decoding draft steps each
-    set their own), in which vLLM hands the same ``slot_mapping`` to every layer of a
-    KV-cache group (and refills it in place between steps). Outside one (direct calls)
-    the context is None."""
+def _native_write(cpu_native: Any, target: Any) -> Callable[..., None]:
+    module, write_native = cpu_native.load(), cpu_native.write_native
+
+    def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k: float, v: float):
+        write_native(module, key, value, target, slots, k, v)
+
+    return write
+
+
+def _planned_write(cpu_cache_write: Any, target: Any) -> Callable[..., None]:
+    """The plain-torch write, with its plan shared inside the vLLM forward context it was
+    made in (``StepPlans.plan``): one model step (speculative-decoding draft steps each set
+    their own), in which vLLM hands the same ``slot_mapping`` to every layer of a KV-cache
+    group (and refills it in place between steps). Outside one (direct calls) nothing is
+    shared."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     global _step_plans
     if _step_plans is None:
-        from kvscale_plugin.kernels.cpu_cache_write import StepPlans
+        _step_plans = cpu_cache_write.StepPlans()
+    plans, write_planned = _step_plans, cpu_cache_write.write_planned
+    flat, geometry = target
 
-        _step_plans = StepPlans()
-    ctx = get_forward_context() if is_forward_context_available() else None
-    return _step_plans.plan(slot_mapping, geometry, ctx)
+    def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k: float, v: float):
+        ctx = get_forward_context() if is_forward_context_available() else None
+        write_planned(key, value, flat, plans.plan(slots, geometry, ctx), k, v)
+
+    return write
 
 
 def _route(
@@ -190,7 +214,7 @@ def _decide(
 ) -> str | None:
     from vllm.v1.attention.backend import AttentionType
 
-    from kvscale_plugin.kernels.cpu_cache_write import ENV_VAR, INPUT_DTYPES, LAYOUTS, write_mode
+    from kvscale_plugin.kernels.cpu_cache_write import INPUT_DTYPES, LAYOUTS
 
     if not is_kvscale_layer(layer):
         return None
