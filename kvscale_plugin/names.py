@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
@@ -205,3 +206,95 @@ def names_attention_layer(target: str, layer_names: Iterable[str]) -> bool:
         (m := _LAYER_TAIL.search(name)) is not None and m.group(1) == tail.group(1)
         for name in layer_names
     )
+
+
+# --- Judging a scale name by where the model's own translation takes it --------------
+
+#: The per-layer tensors a host's KV method creates (the landings a scale name can reach).
+SCALE_KINDS = frozenset(
+    ("q_scale", "k_scale", "v_scale", "prob_scale", "k_zero_point", "v_zero_point", "q_zero_point")
+)
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Where a checkpoint KV-scale tensor goes: ``emit`` is the name handed to the host's
+    loader (before the model's own renames), ``target`` the parameter path it reaches
+    (``<attention module path>.<kind>``), ``layer`` that attention module's path."""
+
+    emit: str
+    target: str
+    layer: str
+
+    @property
+    def kind(self) -> str:
+        return self.target.rsplit(".", 1)[1]
+
+
+def land_scale_name(
+    name: str,
+    mapped: str | None,
+    translate: Callable[[str], str | None],
+    layer_paths: Collection[str],
+) -> Landing | None:
+    """Where checkpoint scale ``name`` lands in a model whose attention modules sit at
+    ``layer_paths`` (full parameter paths, as the model's ``named_parameters`` spell
+    them), or None when it lands nowhere.
+
+    ``translate`` is the model's own translation of a name (its weights mapper and the
+    host's stock scale mapper: what the host does to the name after kvscale); ``mapped``
+    is what the name-mapping hook (third-party rules, then kvscale's) answered. Tried in
+    this order, each judged by the parameter path it actually reaches:
+
+    1. the name as written, through the model's translation (what stock would load);
+    2. the hook's answer, through the same translation;
+    3. the one attention module under the module the name designates (``P.k_scale``
+       with an attention module at ``P.attn`` or deeper: GPT-BigCode's ``h.N.attn``,
+       Falcon-H1's ``self_attn``), when there is exactly one.
+    """
+    layers = set(layer_paths)
+
+    def reaches(candidate: str) -> Landing | None:
+        target = translate(candidate)
+        if target is None or "." not in target:
+            return None
+        layer, kind = target.rsplit(".", 1)
+        if kind in SCALE_KINDS and layer in layers:
+            return Landing(candidate, target, layer)
+        return None
+
+    for candidate in (name, mapped):
+        if candidate is not None and (landing := reaches(candidate)) is not None:
+            return landing
+    base = mapped if mapped is not None else name
+    if "." not in base:
+        return None
+    module, kind = base.rsplit(".", 1)
+    if kind not in SCALE_KINDS:
+        return None
+    if mapped is not None and module.endswith(".attn"):
+        module = module[: -len(".attn")]  # the hook's form: <attention module>.attn.<kind>
+    translated = translate(f"{module}.{kind}")
+    if translated is None or "." not in translated:
+        return None
+    where = translated.rsplit(".", 1)[0]
+    under = [path for path in layers if path == where or path.startswith(where + ".")]
+    if len(under) != 1:
+        return None
+    layer = under[0]
+    for candidate in (f"{module}{layer[len(where) :]}.{kind}", f"{layer}.{kind}"):
+        if (landing := reaches(candidate)) is not None and landing.layer == layer:
+            return landing
+    return None
+
+
+def is_loaded_form(name: str, layer_paths: Collection[str]) -> bool:
+    """Whether ``name`` already is a landing, or the tail of one (a nested loader sees the
+    names relative to its module: ``model.layers.0.self_attn.attn.k_scale`` inside a
+    multimodal model's ``language_model``)."""
+    if "." not in name:
+        return False
+    layer, kind = name.rsplit(".", 1)
+    if kind not in SCALE_KINDS:
+        return False
+    return any(path == layer or path.endswith("." + layer) for path in layer_paths)

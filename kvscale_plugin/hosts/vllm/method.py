@@ -12,6 +12,7 @@ import functools
 import re
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,12 +37,18 @@ from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import (
     DRAFT_SCOPE,
-    HOST,
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
+from kvscale_plugin.hosts.vllm.scalepaths import (
+    UNMAPPED_PREFIX,
+    ScaleRenaming,
+    pipeline_parallel,
+    start_recording,
+    stop_recording,
+)
 from kvscale_plugin.hosts.vllm.served import head_layout, write_kv_scales, write_scales
 from kvscale_plugin.hosts.vllm.shared import (
     ensure_assistant_sync,
@@ -63,7 +70,6 @@ from kvscale_plugin.loadcycle import (
 )
 from kvscale_plugin.names import (
     declared_mtp_layers,
-    map_scale_name,
     mtp_layer_ordinal,
     names_attention_layer,
 )
@@ -85,40 +91,6 @@ from kvscale_plugin.sharing import SHARED_SOURCE, SharedLayers
 
 _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 _KV = ("k_scale", "v_scale")
-
-
-_UNMAPPED_PREFIX = "__kvscale_unmapped__."
-
-
-class _HookRenaming:
-    """Duck-typed ``transformers`` ``WeightRenaming``: vLLM's ``WeightsMapper`` keeps
-    renamings through ``|`` (a ``WeightsMapper`` subclass would be lost there) and
-    applies them before its regexes, so our hook-driven names win over stock rules.
-
-    A KV-scale name whose target attention layer does not exist in this model is
-    renamed under ``_UNMAPPED_PREFIX`` (dropped by a regex of the same mapper) and
-    reported in one warning, instead of crashing the loader or vanishing."""
-
-    def __init__(self, config: KVScaleConfig) -> None:
-        self.config = config
-
-    def rename_source_key(self, key: str) -> tuple[str, None]:
-        mapped = map_scale_name(key, HOST, self.config.model_type)
-        if mapped is None:
-            return key, None
-        if self.config.mtp_ordinal(key) is not None:
-            # An MTP layer's scale: never the target model's (vLLM builds MTP layers
-            # only in the draft, whose loads kvscale routes before any mapper:
-            # ``_route_draft_scales``), so dropped here -- the target's own loader
-            # would raise on a name it has no module for (MiMo: ``model.layers.{L}...``).
-            # Noted for the reload check: vLLM's in-place reload never reaches the draft.
-            self.config.mtp_scales_seen.add(key)
-            return _UNMAPPED_PREFIX + key, None
-        if not self.config.has_attention_layer_for(mapped):
-            self.config.unmapped_scales.add(key)
-            return _UNMAPPED_PREFIX + key, None
-        self.config.checkpoint_names[mapped] = key  # messages name the file's tensor
-        return mapped, None
 
 
 class KVScaleConfig(CompressedTensorsConfig):
@@ -151,6 +123,11 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.checkpoint_names: dict[str, str] = {}
         # Checkpoint KV-scale tensors that name no attention layer of this model.
         self.unmapped_scales: set[str] = set()
+        # (layer name, kind) -> the checkpoint tensor the name mapping sent there, and the
+        # loaders this load cycle reached: a sent tensor whose loader no model code reached
+        # (a model's own loop skipped it) is unmapped too.
+        self.expected: dict[tuple[str, str], str] = {}
+        self.reached: set[tuple[str, str]] = set()
         # The main stack's depth and the checkpoint's MTP (draft) layer count, from the
         # model config (``maybe_update_config``): which scale names are MTP layers'.
         self.num_hidden_layers: int | None = None
@@ -164,6 +141,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         )
         self.cycle = self._new_cycle()
         _activate()
+        start_recording(config=self)  # the model is built next: where its attention layers go
 
     # The config travels to the engine-core / worker processes by pickle; the
     # registry of live attention layers is per process.
@@ -178,6 +156,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self._attention_layers = weakref.WeakValueDictionary()
         self.cycle = self._new_cycle()
         _activate()  # an engine-core / worker process of a kvscale engine
+        start_recording(config=self)
         self._route_drafts()
 
     def _new_cycle(self) -> Cycle:
@@ -235,9 +214,10 @@ class KVScaleConfig(CompressedTensorsConfig):
         stock = QuantizationConfig.get_cache_scale_mapper()
         if not (self.kv_verdict.declared or _explicit_fp8_cache()):
             return stock
+        # One renaming per load (its model paths are read at the load's first scale name).
         ours = WeightsMapper(
-            orig_to_new_renaming=[_HookRenaming(self)],
-            orig_to_new_regex={re.compile("^" + re.escape(_UNMAPPED_PREFIX)): None},
+            orig_to_new_renaming=[ScaleRenaming(self)],
+            orig_to_new_regex={re.compile("^" + re.escape(UNMAPPED_PREFIX)): None},
         )
         return ours | stock
 
@@ -258,7 +238,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         """Whether a mapped ``<layer>.{k,v,q}_scale`` name targets an attention layer
         this process built."""
         layers = list(self._attention_layers)
-        if not layers or _pipeline_parallel():
+        if not layers or pipeline_parallel():
             return True  # cannot tell here: leave the name to vLLM's loader
         return names_attention_layer(param_name, layers)
 
@@ -307,6 +287,8 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         # An engine spanning several nodes: every rank serves with kvscale (once per process).
         check_deployment()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
+        if layer_name not in cfg._attention_layers:
+            start_recording(layer, cfg)  # where the model puts this layer (``scalepaths``)
         cfg._attention_layers[layer_name] = layer
         record = layer_record(layer)
         if record is None:  # the layer's record, for its lifetime
@@ -316,6 +298,9 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         # after this). Records the MTP routing filed under a checkpoint name stay until
         # the reload check reads them.
         record.start()
+        for name in _SCALE_NAMES:
+            cfg.reached.discard((layer_name, name))
+            cfg.expected.pop((layer_name, name), None)
         cfg.cycle.built(layer_name)
         heads = record.heads
         for name in _SCALE_NAMES:
@@ -326,8 +311,10 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 torch.full((heads.local,) if per_head else (), SENTINEL, dtype=torch.float32),
                 requires_grad=False,
             )
-            param.weight_loader = scale_loader(
-                record, name, heads if per_head else None, into_param=True
+            param.weight_loader = _reached(
+                cfg,
+                (layer_name, name),
+                scale_loader(record, name, heads if per_head else None, into_param=True),
             )
             # A dummy load must leave the placeholder, not tiny random "scales".
             param.dummy_weight_value = SENTINEL
@@ -358,8 +345,12 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         if not hasattr(layer, "k_scale"):
             return  # placeholders already consumed (e.g. a reload that carried no scales)
 
-        if cfg.unmapped_scales:
-            warn_unmapped_scales(cfg.unmapped_scales, cfg.warn_scope)
+        stop_recording()
+        unmapped = cfg.unmapped_scales | {
+            tensor for key, tensor in cfg.expected.items() if key not in cfg.reached
+        }
+        if unmapped:
+            warn_unmapped_scales(unmapped, cfg.warn_scope)
         loaded = {name: record.value(name) for name in _SCALE_NAMES}
         applies = layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
         if computes_own_scales(layer.kv_cache_dtype):
@@ -458,13 +449,16 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
                 delattr(layer, name)
 
 
-def _pipeline_parallel() -> bool:
-    from vllm.distributed import get_pp_group
+def _reached(
+    cfg: KVScaleConfig, key: tuple[str, str], loader: Callable[..., None]
+) -> Callable[..., None]:
+    """``loader``, noting that model code reached it (``unmapped`` is judged from that)."""
 
-    try:
-        return get_pp_group().world_size > 1
-    except AssertionError:  # no distributed group yet
-        return False
+    def load(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any) -> None:
+        cfg.reached.add(key)
+        loader(param, loaded_weight, *args)
+
+    return load
 
 
 def _is_dummy_load() -> bool:

@@ -1,0 +1,194 @@
+"""Tiny checkpoints of many decoder families, built with transformers' own classes, with
+one distinct k/v scale per attention layer stored where the checkpoint's attention module
+is (``<HF attention module path>.k_scale``: what llm-compressor writes), for the family
+sweep (tests/e2e/test_vllm_families.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Tiny geometry shared by every family (head size 64: vLLM's CPU FP8 cache wants a
+#: multiple of 32). Each family adds or overrides what its config needs.
+BASE: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family: its transformers config class and what the tiny one changes."""
+
+    name: str
+    config: str  # transformers config class
+    kind: str  # dense, sliding-window, MoE, hybrid, fused-qkv, NoPE
+    overrides: dict[str, Any] = field(default_factory=dict)
+    drop: tuple[str, ...] = ()  # BASE keys the config does not take
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "LlamaConfig", "dense"),
+    Family("mistral", "MistralConfig", "sliding-window", {"sliding_window": 64}),
+    Family("qwen2", "Qwen2Config", "dense"),
+    Family("qwen3", "Qwen3Config", "dense"),
+    Family("qwen3_moe", "Qwen3MoeConfig", "MoE", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 64}),
+    Family("mixtral", "MixtralConfig", "MoE", dict(_MOE)),
+    Family("gemma2", "Gemma2Config", "sliding-window", {"sliding_window": 64}),
+    Family("gemma3_text", "Gemma3TextConfig", "sliding-window",
+           {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}),
+    Family("phi3", "Phi3Config", "fused-qkv", {"pad_token_id": 0}),
+    Family("olmo2", "Olmo2Config", "dense"),
+    Family("granite", "GraniteConfig", "dense"),
+    Family("starcoder2", "Starcoder2Config", "dense", drop=("head_dim",)),
+    Family("stablelm", "StableLmConfig", "dense", drop=("head_dim",)),
+    Family("cohere", "CohereConfig", "dense"),
+    Family("smollm3", "SmolLM3Config", "NoPE", {"no_rope_layers": [1, 0], "pad_token_id": 0}),
+    Family("gpt_oss", "GptOssConfig", "MoE, sliding-window",
+           {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64,
+            "layer_types": ["sliding_attention", "full_attention"]}),
+    Family("falcon_h1", "FalconH1Config", "hybrid Mamba-2",
+           {"mamba_d_ssm": 128, "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
+            "mamba_n_groups": 1, "mamba_chunk_size": 32}),
+    Family("jamba", "JambaConfig", "hybrid Mamba, MoE",
+           {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+            "expert_layer_offset": 1, "num_experts": 2, "num_experts_per_tok": 1,
+            "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "use_mamba_kernels": False},
+           drop=("head_dim",)),
+    Family("bamba", "BambaConfig", "hybrid Mamba-2",
+           {"attn_layer_indices": [1], "mamba_d_head": 32, "mamba_n_heads": 8,
+            "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 32},
+           drop=("head_dim",)),
+    Family("gpt_bigcode", "GPTBigCodeConfig", "fused-qkv (c_attn)",
+           {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "multi_query": True},
+           drop=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "max_position_embeddings", "intermediate_size")),
+    Family("gptj", "GPTJConfig", "dense",
+           {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "rotary_dim": 32},
+           drop=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "max_position_embeddings", "intermediate_size")),
+    Family("gpt_neox", "GPTNeoXConfig", "fused-qkv (query_key_value)",
+           {"rotary_pct": 0.5}, drop=("head_dim", "num_key_value_heads")),
+)
+
+BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def scale_pair(index: int) -> tuple[float, float]:
+    """Layer ``index``'s (k, v): distinct per layer, k != v, none 1.0, exact in bf16."""
+    return 1.5 + 0.5 * index, 1.75 + 0.5 * index
+
+
+_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_number(name: str) -> int:
+    """The first integer component of a module path (the decoder layer's index)."""
+    match = _INDEX.search(name)
+    if match is None:
+        raise ValueError(f"no layer index in {name!r}")
+    return int(match.group(1))
+
+
+def attention_modules(model: torch.nn.Module) -> list[str]:
+    """Paths of the outermost ``*Attention`` modules (one per attention layer)."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("Attention") or not name:
+            continue
+        if any(name.startswith(outer + ".") for outer in found):
+            continue
+        found.append(name)
+    return found
+
+
+def build_family_checkpoint(out: Path, family: Family) -> Path:
+    """The family's tiny checkpoint at ``out`` (built once; ``scales.json`` lists the
+    stored scale per layer index)."""
+    if (out / "scales.json").exists():
+        return out
+    import transformers
+    from safetensors.torch import save_file
+
+    kwargs = {k: v for k, v in BASE.items() if k not in family.drop}
+    kwargs.update(family.overrides)
+    config = getattr(transformers, family.config)(**kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    stored: dict[int, dict[str, Any]] = {}
+    for path in attention_modules(model):
+        index = layer_number(path)
+        k, v = scale_pair(index)
+        sd[f"{path}.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        sd[f"{path}.v_scale"] = torch.tensor(v, dtype=torch.float32)
+        stored[index] = {"module": path, "k": k, "v": v}
+    if not stored:
+        raise ValueError(f"{family.name}: no attention module found")
+    out.mkdir(parents=True, exist_ok=True)
+    # Tied / shared storage is saved once, as safetensors requires.
+    save_file({k: v.clone() for k, v in sd.items()}, str(out / "model.safetensors"))
+    cfg = config.to_dict()
+    cfg["torch_dtype"] = "bfloat16"
+    cfg["architectures"] = [type(model).__name__]
+    cfg["quantization_config"] = {
+        "config_groups": {},
+        "format": "dense",
+        "ignore": [],
+        "kv_cache_scheme": {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "tensor",
+            "dynamic": False,
+            "symmetric": True,
+        },
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    _write_tokenizer(out, config.vocab_size)
+    (out / "scales.json").write_text(json.dumps(stored, indent=2))
+    return out
+
+
+def stored_scales(ckpt: Path) -> dict[int, dict[str, Any]]:
+    return {int(i): s for i, s in json.loads((ckpt / "scales.json").read_text()).items()}
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over ``vocab_size`` made-up words (engines need one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 512,
+            }
+        )
+    )
