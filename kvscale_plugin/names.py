@@ -216,6 +216,12 @@ SCALE_KINDS = frozenset(
 )
 
 
+def scale_kind(name: str) -> str | None:
+    """``k_scale`` for ``...k_scale`` (a name that looks like a KV scale), else None."""
+    kind = name.rsplit(".", 1)[-1]
+    return kind if kind in SCALE_KINDS else None
+
+
 @dataclass(frozen=True)
 class Landing:
     """Where a checkpoint KV-scale tensor goes: ``emit`` is the name handed to the host's

@@ -54,9 +54,11 @@ from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleCo
 from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.names import (
     declared_mtp_layers,
+    land_scale_name,
     map_scale_name,
     mtp_layer_ordinal,
     names_attention_layer,
+    scale_kind,
 )
 from kvscale_plugin.notices import refused_reload_message, warn_unmapped_scales
 from kvscale_plugin.releases import SGLANG_RUN
@@ -152,10 +154,18 @@ def _map_weight_names(
             if ordinal is not None and ordinal < mtp.declared:
                 yield name, tensor  # the draft model's, not a layer this model lacks
                 continue
-        if mapped is not None and mapped != name and mapped in targets:
+        landing = (
+            land_scale_name(name, mapped, _as_named, _placeholder_layers(targets))
+            if name not in targets and (mapped is not None or scale_kind(name) is not None)
+            else None
+        )
+        if landing is not None and landing.target in targets:
+            # The hook's answer, or the one attention layer under the module the name
+            # designates (SGLang's models translate scale names in their loaders, each its
+            # own way: a placeholder's own path is one every loader takes as it is).
             if on_disk is not None:
-                on_disk[mapped] = name  # errors name the checkpoint's tensor
-            name = mapped
+                on_disk[landing.target] = name  # errors name the checkpoint's tensor
+            name = landing.target
         elif (
             mapped is not None
             and unmapped is not None
@@ -166,6 +176,10 @@ def _map_weight_names(
         ):
             unmapped.add(name)  # SGLang's loader skips it: say so, once, after the load
         yield name, tensor
+
+
+def _as_named(name: str) -> str:
+    return name
 
 
 def _placeholder_layers(targets: set[str]) -> set[str]:

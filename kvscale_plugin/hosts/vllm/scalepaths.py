@@ -29,11 +29,11 @@ import torch
 
 from kvscale_plugin.hosts.vllm.layers import HOST
 from kvscale_plugin.names import (
-    SCALE_KINDS,
     Landing,
     is_loaded_form,
     land_scale_name,
     map_scale_name,
+    scale_kind,
 )
 
 _lock = threading.Lock()
@@ -183,12 +183,6 @@ def _translation(root: torch.nn.Module) -> Any:
         own.orig_to_new_renaming = []  # already applied before kvscale's renaming
         rest = own | rest
     return rest.map_name
-
-
-def scale_kind(name: str) -> str | None:
-    """``k_scale`` for ``...k_scale`` (a name that looks like a KV scale), else None."""
-    kind = name.rsplit(".", 1)[-1]
-    return kind if kind in SCALE_KINDS else None
 
 
 UNMAPPED_PREFIX = "__kvscale_unmapped__."

@@ -29,8 +29,6 @@ BASE: dict[str, Any] = dict(
     eos_token_id=1,
 )
 
-_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
-
 
 @dataclass(frozen=True)
 class Family:
@@ -41,19 +39,41 @@ class Family:
     kind: str  # dense, sliding-window, MoE, hybrid, fused-qkv, NoPE
     overrides: dict[str, Any] = field(default_factory=dict)
     drop: tuple[str, ...] = ()  # BASE keys the config does not take
+    per_expert: bool = False  # experts stored one by one (what vLLM's loader reads)
 
+
+# Gated DeltaNet layers, then full attention (vLLM's CPU Gated DeltaNet wants head size 128).
+_LINEAR: dict[str, Any] = dict(
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    layer_types=["linear_attention", "full_attention"],
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "LlamaConfig", "dense"),
     Family("mistral", "MistralConfig", "sliding-window", {"sliding_window": 64}),
     Family("qwen2", "Qwen2Config", "dense"),
     Family("qwen3", "Qwen3Config", "dense"),
-    Family("qwen3_moe", "Qwen3MoeConfig", "MoE", {"num_experts": 4, "num_experts_per_tok": 2,
-                                                   "moe_intermediate_size": 64}),
-    Family("mixtral", "MixtralConfig", "MoE", dict(_MOE)),
-    Family("gemma2", "Gemma2Config", "sliding-window", {"sliding_window": 64}),
-    Family("gemma3_text", "Gemma3TextConfig", "sliding-window",
-           {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}),
+    Family(
+        "qwen3_moe",
+        "Qwen3MoeConfig",
+        "MoE",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    ),
+    Family(
+        "gemma2",
+        "Gemma2Config",
+        "sliding-window",
+        {"sliding_window": 64, "tie_word_embeddings": True},
+    ),
+    Family(
+        "gemma3_text",
+        "Gemma3TextConfig",
+        "sliding-window",
+        {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
     Family("phi3", "Phi3Config", "fused-qkv", {"pad_token_id": 0}),
     Family("olmo2", "Olmo2Config", "dense"),
     Family("granite", "GraniteConfig", "dense"),
@@ -61,34 +81,111 @@ FAMILIES: tuple[Family, ...] = (
     Family("stablelm", "StableLmConfig", "dense", drop=("head_dim",)),
     Family("cohere", "CohereConfig", "dense"),
     Family("smollm3", "SmolLM3Config", "NoPE", {"no_rope_layers": [1, 0], "pad_token_id": 0}),
-    Family("gpt_oss", "GptOssConfig", "MoE, sliding-window",
-           {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64,
-            "layer_types": ["sliding_attention", "full_attention"]}),
-    Family("falcon_h1", "FalconH1Config", "hybrid Mamba-2",
-           {"mamba_d_ssm": 128, "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
-            "mamba_n_groups": 1, "mamba_chunk_size": 32}),
-    Family("jamba", "JambaConfig", "hybrid Mamba, MoE",
-           {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-            "expert_layer_offset": 1, "num_experts": 2, "num_experts_per_tok": 1,
-            "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "use_mamba_kernels": False},
-           drop=("head_dim",)),
-    Family("bamba", "BambaConfig", "hybrid Mamba-2",
-           {"attn_layer_indices": [1], "mamba_d_head": 32, "mamba_n_heads": 8,
-            "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 32},
-           drop=("head_dim",)),
-    Family("gpt_bigcode", "GPTBigCodeConfig", "fused-qkv (c_attn)",
-           {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "multi_query": True},
-           drop=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "max_position_embeddings", "intermediate_size")),
-    Family("gptj", "GPTJConfig", "dense",
-           {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "rotary_dim": 32},
-           drop=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "max_position_embeddings", "intermediate_size")),
-    Family("gpt_neox", "GPTNeoXConfig", "fused-qkv (query_key_value)",
-           {"rotary_pct": 0.5}, drop=("head_dim", "num_key_value_heads")),
+    Family(
+        "gpt_oss",
+        "GptOssConfig",
+        "MoE, sliding-window",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 64,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    Family(
+        "falcon_h1",
+        "FalconH1Config",
+        "hybrid Mamba-2",
+        {
+            "mamba_d_ssm": 128,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 32,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 32,
+        },
+    ),
+    Family(
+        "jamba",
+        "JambaConfig",
+        "hybrid Mamba, MoE",
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "use_mamba_kernels": False,
+        },
+        drop=("head_dim",),
+    ),
+    Family(
+        "gpt_bigcode",
+        "GPTBigCodeConfig",
+        "fused-qkv (c_attn)",
+        {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "multi_query": True},
+        drop=(
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "intermediate_size",
+        ),
+    ),
+    Family(
+        "gptj",
+        "GPTJConfig",
+        "dense",
+        {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "rotary_dim": 32},
+        drop=(
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "intermediate_size",
+        ),
+    ),
+    Family(
+        "qwen3_next",
+        "Qwen3NextConfig",
+        "hybrid linear attention, MoE",
+        {
+            **_LINEAR,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+        per_expert=True,
+    ),
+    Family(
+        "exaone4",
+        "Exaone4Config",
+        "sliding-window",
+        {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    Family("glm4", "Glm4Config", "dense", {"pad_token_id": 0}),
+    Family("olmoe", "OlmoeConfig", "MoE", {"num_experts": 4, "num_experts_per_tok": 2}),
+    Family(
+        "gpt_neox",
+        "GPTNeoXConfig",
+        "fused-qkv (query_key_value)",
+        {"rotary_pct": 0.5},
+        drop=("head_dim", "num_key_value_heads"),
+    ),
 )
 
 BY_NAME = {family.name: family for family in FAMILIES}
+#: The sweep in two test files, so that pytest-xdist runs the halves side by side.
+HALVES = (FAMILIES[: len(FAMILIES) // 2], FAMILIES[len(FAMILIES) // 2 :])
 
 
 def scale_pair(index: int) -> tuple[float, float]:
@@ -133,6 +230,12 @@ def build_family_checkpoint(out: Path, family: Family) -> Path:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if family.per_expert:
+        from kvscale_plugin.demo.tinymodels import _per_expert
+
+        sd = _per_expert(sd)
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # tied: stored once, as HF saves it
     stored: dict[int, dict[str, Any]] = {}
     for path in attention_modules(model):
         index = layer_number(path)

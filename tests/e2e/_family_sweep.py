@@ -1,0 +1,59 @@
+"""kvscale serves every checkpoint scale stock vLLM serves, on every family in the sweep
+(run by test_vllm_families_1.py and test_vllm_families_2.py, half the families each).
+
+For each decoder family (tests/support/kvscale_testing/families.py: dense, sliding-window,
+MoE, hybrid Mamba / linear attention, fused-qkv, NoPE) a tiny checkpoint built with
+transformers' own classes stores one distinct k/v scale per attention layer under the HF
+attention module's path. A ``-q kvscale`` engine and a stock engine, both on an FP8 cache,
+are started on it; what each attention layer serves is read back from the engine (device
+tensor and float). kvscale must serve every layer's own checkpoint scale -- so a family
+where stock serves 1.0 (or cannot start) and kvscale does too fails -- and never less
+than stock. ``kvscale inspect`` must name, for each scale tensor, the layer the engine
+serves it on.
+
+On a CPU without AVX-512 / AMX vLLM refuses the FP8 cache only after the model and its
+scales loaded (docs/running-engines-on-cpu.md): what the layers hold is read then.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvscale_testing.families import Family, build_family_checkpoint, layer_number, stored_scales
+
+from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, layer_scales, vllm_engine
+
+
+def served(ckpt: Path, quantization: str | None) -> dict[str, tuple[float, ...]] | str:
+    """layer name -> (k, v, k float, v float) an engine on ``ckpt`` serves; or, when the
+    engine does not start for another reason than this CPU's FP8 refusal, the error."""
+    try:
+        with vllm_engine(ckpt, quantization=quantization, kv_cache_dtype="fp8") as llm:
+            scales = layer_scales(llm)
+    except Exception as exc:  # noqa: BLE001 - what stock does on the checkpoint is the datum
+        scales = getattr(exc, "kvscale_loaded_scales", None)
+        if scales is None or FP8_CPU_REFUSAL not in str(exc):
+            return f"{type(exc).__name__}: {exc}"
+    return {name: (s.k, s.v, s.k_float, s.v_float) for name, s in scales.items()}
+
+
+def check_family(family: Family, root: Path) -> None:
+    ckpt = build_family_checkpoint(root / family.name, family)
+    stored = stored_scales(ckpt)
+    ours = served(ckpt, "kvscale")
+    assert isinstance(ours, dict), f"{family.name}: the kvscale engine failed: {ours}"
+    assert ours, f"{family.name}: no attention layer read back"
+    by_index = {layer_number(name): value for name, value in ours.items()}
+    assert set(by_index) == set(stored), (family.name, sorted(ours), stored)
+    for index, want in stored.items():
+        pair = (want["k"], want["v"])
+        assert by_index[index] == pytest.approx(pair * 2, rel=1e-6), (
+            f"{family.name}: layer {index} ({want['module']}) serves {by_index[index]}, "
+            f"the checkpoint holds {pair}"
+        )
+    stock = served(ckpt, None)
+    if isinstance(stock, dict):  # stock started: kvscale serves at least what it serves
+        for name, value in stock.items():
+            if value != (1.0,) * 4:
+                assert ours.get(name) == pytest.approx(value, rel=1e-6), (family.name, name)
