@@ -46,6 +46,9 @@ class LayerScales:
     # Every value of the device tensors: one per local KV head for per-head layers.
     k_heads: tuple[float, ...] = ()
     v_heads: tuple[float, ...] = ()
+    #: Where the layer sits in the model (its scale parameters' parent), where a kvscale
+    #: engine recorded it (``hosts/vllm/scalepaths``); None otherwise.
+    path: str | None = None
 
     @property
     def pool_is_fp8(self) -> bool:
@@ -163,6 +166,7 @@ def layer_scales(llm: Any) -> dict[str, LayerScales]:
 
 def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
     """``layer_scales`` of an engine's static forward context (also one that failed)."""
+    from kvscale_plugin.hosts.vllm.scalepaths import module_path
     from kvscale_plugin.loadcycle import layer_record
 
     out = {}
@@ -187,6 +191,7 @@ def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
             v_ptr=layer._v_scale.data_ptr(),
             k_heads=tuple(float(x) for x in layer._k_scale.reshape(-1).tolist()),
             v_heads=tuple(float(x) for x in layer._v_scale.reshape(-1).tolist()),
+            path=found[1] if (found := module_path(layer)) is not None else None,
         )
     return out
 

@@ -165,6 +165,7 @@ def output_model(report: InspectReport) -> InspectOutput:
                     "naming": t.naming,
                     "target": t.target,
                     "layer": t.layer,
+                    "engine_layer": t.engine_layer,
                     "problems": [
                         {"code": p.code, "detail": p.detail, "head": p.head} for p in t.problems
                     ],

@@ -52,6 +52,9 @@ class ScaleTensor:
     kind: str | None  # Kind
     target: str | None
     layer: str | None
+    #: The attention layer a vLLM engine serves it on, as the engine names it, where the
+    #: model's translation on that release is measured (``vllm_layers``); else None.
+    engine_layer: str | None = None
     problems: list[TensorProblem] = field(default_factory=list)
     #: Every element, when the tensor is small enough to decode (None otherwise).
     values: tuple[float, ...] | None = None

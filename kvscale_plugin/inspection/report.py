@@ -38,6 +38,7 @@ from kvscale_plugin.inspection.tensors import (
     naming,
     zero_point_value,
 )
+from kvscale_plugin.inspection.vllm_layers import checkpoint_module, served_on
 from kvscale_plugin.inspection.weights import WeightVerdict, combine, judge_weights
 from kvscale_plugin.names import map_scale_name
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
@@ -54,6 +55,10 @@ class _Model:
     attn_layers: list[int] | None
     kv_heads: int | None
     q_heads: int | None
+    #: ``architectures[0]`` and the vLLM release reported against: which translation of
+    #: the model's names applies (``vllm_layers``).
+    architecture: str | None = None
+    vllm_release: str | None = None
 
 
 def inspect_checkpoint(
@@ -71,7 +76,7 @@ def inspect_checkpoint(
         # GPU platform, or a release named without its platform); never on SGLang (no
         # q scale parameter) or vLLM's CPU build (its attention never reads one).
         q_read = release.host == "vllm" and release.platform != "cpu"
-        report = _inspect(ckpt, release.host, q_read=q_read)
+        report = _inspect(ckpt, release.host, q_read=q_read, version=release.version)
         qc = cfg.quant_config(ckpt.config)
     report.host_version = release.version
     report.host_note = release.note
@@ -106,8 +111,11 @@ def _judge_weights(report: InspectReport, weights: WeightVerdict) -> None:
         )
 
 
-def _inspect(ckpt: Checkpoint, host: str, *, q_read: bool = True) -> InspectReport:
+def _inspect(
+    ckpt: Checkpoint, host: str, *, q_read: bool = True, version: str | None = None
+) -> InspectReport:
     config = ckpt.config
+    archs = config.get("architectures")
     tc = cfg.text_config(config)
     n = cfg.layer_count(tc)
     kv_heads, q_heads = cfg.head_counts(config)
@@ -118,6 +126,8 @@ def _inspect(ckpt: Checkpoint, host: str, *, q_read: bool = True) -> InspectRepo
         attn_layers=cfg.attention_layers(tc, n),
         kv_heads=kv_heads,
         q_heads=q_heads,
+        architecture=archs[0] if isinstance(archs, list) and archs else None,
+        vllm_release=version.split("+")[0] if host == "vllm" and version else None,
     )
     qc = cfg.quant_config(config)
     scheme = qc.get("kv_cache_scheme") if qc is not None else None
@@ -208,6 +218,12 @@ def _scale_tensors(
         target = map_scale_name(name, host, model.model_type)
         if target is None and not SCALE_LIKE.search(name):
             continue  # a weight, never read
+        served = None
+        if host == "vllm" and (module := checkpoint_module(name, target)) is not None:
+            # The architecture's own translation, as measured on that release's engine.
+            served = served_on(model.vllm_release, model.architecture, module)
+            if served is not None:
+                target = f"{served.parameter}.{_target_kind(name, target)}"
         how = naming(name)
         mapping[(cfg.template(name), cfg.template(target) if target else None)] += 1
         match = TARGET.match(target) if target else None
@@ -223,6 +239,7 @@ def _scale_tensors(
             kind=None,
             target=target,
             layer=None,
+            engine_layer=served.layer if served is not None else None,
         )
         tensors.append(st)
         if is_zero_point:
@@ -296,6 +313,18 @@ def _scale_tensors(
                 )
                 v.heads = None
     return tensors, rows, mapping
+
+
+def _target_kind(name: str, mapped: str | None) -> str:
+    """The scale parameter a scale tensor feeds (``k_scale``, ``v_zero_point``, ...)."""
+    if mapped is not None:
+        return mapped.rsplit(".", 1)[1]
+    last = name.rsplit(".", 1)[-1]
+    if last == "kv_scale":
+        return "k_scale"  # legacy: loaded as k, duplicated to v
+    if last.startswith("output_"):  # <k|v>_proj.output_scale
+        return f"{name.rsplit('.', 2)[-2][0]}_{last[len('output_') :]}"
+    return last
 
 
 def _declares_attn_head(verdict: SchemeVerdict, scheme: Any) -> bool:

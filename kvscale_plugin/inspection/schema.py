@@ -36,7 +36,8 @@ DESCRIPTION = (
     "num_attention_heads, scheme.per_head, k_heads / v_heads, heads / values of scales and "
     "tensors, a tensor problem's head) and the weight-scheme keys (weights, "
     "stock / kvscale kv_cache_outcome and kv_cache_summary) were added without a version "
-    "bump, and so was hub (only for a Hub checkpoint, `kvscale inspect ORG/NAME`)."
+    "bump, and so were hub (only for a Hub checkpoint, `kvscale inspect ORG/NAME`) and a "
+    "tensor's engine_layer."
 )
 
 
@@ -267,6 +268,9 @@ class Tensor(_Model):
     target: str | None
     """Host parameter name (null: unmapped)."""
     layer: str | None
+    engine_layer: str | None
+    """vLLM: the attention layer the engine serves it on, as the engine names it, where
+    the architecture's translation on that release is measured; null otherwise."""
     problems: list[TensorProblemEntry]
 
 

@@ -17,17 +17,24 @@ scales loaded (docs/running-engines-on-cpu.md): what the layers hold is read the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from kvscale_testing.families import Family, build_family_checkpoint, layer_number, stored_scales
+from kvscale_testing.families import (
+    Family,
+    build_family_checkpoint,
+    layer_number,
+    layer_rows,
+    stored_scales,
+)
 
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, layer_scales, vllm_engine
+from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, LayerScales, layer_scales, vllm_engine
 
 
-def served(ckpt: Path, quantization: str | None) -> dict[str, tuple[float, ...]] | str:
-    """layer name -> (k, v, k float, v float) an engine on ``ckpt`` serves; or, when the
-    engine does not start for another reason than this CPU's FP8 refusal, the error."""
+def served(ckpt: Path, quantization: str | None) -> dict[str, LayerScales] | str:
+    """layer name -> what an engine on ``ckpt`` serves there; or, when the engine does not
+    start for another reason than this CPU's FP8 refusal, the error."""
     try:
         with vllm_engine(ckpt, quantization=quantization, kv_cache_dtype="fp8") as llm:
             scales = layer_scales(llm)
@@ -35,15 +42,20 @@ def served(ckpt: Path, quantization: str | None) -> dict[str, tuple[float, ...]]
         scales = getattr(exc, "kvscale_loaded_scales", None)
         if scales is None or FP8_CPU_REFUSAL not in str(exc):
             return f"{type(exc).__name__}: {exc}"
+    return scales
+
+
+def _pairs(scales: dict[str, LayerScales]) -> dict[str, tuple[float, ...]]:
     return {name: (s.k, s.v, s.k_float, s.v_float) for name, s in scales.items()}
 
 
 def check_family(family: Family, root: Path) -> None:
     ckpt = build_family_checkpoint(root / family.name, family)
     stored = stored_scales(ckpt)
-    ours = served(ckpt, "kvscale")
-    assert isinstance(ours, dict), f"{family.name}: the kvscale engine failed: {ours}"
-    assert ours, f"{family.name}: no attention layer read back"
+    engine = served(ckpt, "kvscale")
+    assert isinstance(engine, dict), f"{family.name}: the kvscale engine failed: {engine}"
+    assert engine, f"{family.name}: no attention layer read back"
+    ours = _pairs(engine)
     by_index = {layer_number(name): value for name, value in ours.items()}
     assert set(by_index) == set(stored), (family.name, sorted(ours), stored)
     for index, want in stored.items():
@@ -52,8 +64,39 @@ def check_family(family: Family, root: Path) -> None:
             f"{family.name}: layer {index} ({want['module']}) serves {by_index[index]}, "
             f"the checkpoint holds {pair}"
         )
+    _check_inspect(family, ckpt, stored, engine)
     stock = served(ckpt, None)
-    if isinstance(stock, dict):  # stock started: kvscale serves at least what it serves
+    if isinstance(stock, dict):
+        stock = _pairs(stock)  # stock started: kvscale serves at least what it serves
         for name, value in stock.items():
             if value != (1.0,) * 4:
                 assert ours.get(name) == pytest.approx(value, rel=1e-6), (family.name, name)
+
+
+def _check_inspect(
+    family: Family, ckpt: Path, stored: dict[int, dict], engine: dict[str, LayerScales]
+) -> None:
+    """inspect's table holds what this engine shows, and inspect names, for every scale
+    tensor, the layer the engine serves its value on."""
+    import vllm
+
+    from kvscale_plugin.inspection.report import inspect_checkpoint
+    from kvscale_plugin.inspection.vllm_layers import table
+
+    release = vllm.__version__.split("+")[0]
+    arch = json.loads((ckpt / "config.json").read_text())["architectures"][0]
+    assert table().get(release, {}).get(arch) == layer_rows(stored, engine), (
+        f"{family.name}: kvscale_plugin/data/vllm_layers.json disagrees with the engine "
+        "(regenerate it: scripts/gen_vllm_layer_table.py)"
+    )
+    serving = {}
+    for name, layer in engine.items():
+        serving[layer.k] = serving[layer.v] = name
+    report = inspect_checkpoint(ckpt, host="vllm")
+    seen = 0
+    for tensor in report.tensors:
+        if tensor.kind in ("k", "v"):
+            assert tensor.engine_layer == serving[tensor.value], (family.name, tensor)
+            assert not tensor.problems, (family.name, tensor)
+            seen += 1
+    assert seen == 2 * len(stored), family.name

@@ -377,3 +377,18 @@ def test_scheme_with_omitted_fields_uses_library_defaults(tiny, caplog):
     stock, _ = build_model(ckpt, quantization=None)
     assert all(s.method is None for s in layer_scales(stock).values())
     assert resolve_kv_cache_dtype(stock, "auto")[1] == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_scale_under_a_module_with_one_attention_layer(tiny, family):
+    # Scales stored on the decoder layer (``model.layers.N.k_scale``: no rule knows it):
+    # the one attention layer under that module serves them (names.land_scale_name).
+    under_layer = {}
+    for i, (k, v) in SCALES.items():
+        under_layer[f"model.layers.{i}.k_scale"] = torch.tensor([k])
+        under_layer[f"model.layers.{i}.v_scale"] = torch.tensor([v])
+    ckpt = tiny(
+        f"sgl-under-layer-{family}", family=family, write_scales=False, extra_tensors=under_layer
+    )
+    model, _ = build_model(ckpt)
+    assert_scales(layer_scales(model), SCALES)

@@ -520,6 +520,7 @@ def test_json_schema(tiny, capsys):
         "naming",
         "target",
         "layer",
+        "engine_layer",
         "problems",
     }
     assert data["mapping"] == [

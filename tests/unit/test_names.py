@@ -111,3 +111,114 @@ def test_declared_mtp_layers_reads_every_count_field():
     assert declared_mtp_layers(None, SimpleNamespace()) == 0
     assert declared_mtp_layers(SimpleNamespace(num_nextn_predict_layers=True)) == 0
     assert declared_mtp_layers(SimpleNamespace(num_nextn_predict_layers=-1)) == 0
+
+
+# --- land_scale_name: judged by where the model's own translation takes a name ----------
+
+
+def _substr(rules: dict[str, str]):
+    def translate(name: str) -> str:
+        for old, new in rules.items():
+            name = name.replace(old, new, 1)
+        return name
+
+    return translate
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def test_land_model_translation_of_the_rules_answer():
+    from kvscale_plugin.names import land_scale_name
+
+    # GPT-OSS: the model renames .self_attn. -> .attn.; its attention is at layers.N.attn.attn
+    name = "model.layers.0.self_attn.k_scale"
+    mapped = map_scale_name(name, "vllm", "gpt_oss")
+    landing = land_scale_name(
+        name, mapped, _substr({".self_attn.": ".attn."}), {"model.layers.0.attn.attn"}
+    )
+    assert landing is not None
+    assert (landing.emit, landing.target) == (mapped, "model.layers.0.attn.attn.k_scale")
+    assert landing.kind == "k_scale"
+
+
+def test_land_name_as_written_first():
+    from kvscale_plugin.names import land_scale_name
+
+    # The model's own translation of the name as written lands: it is kept as written,
+    # whatever a rule answers.
+    name = "model.layers.3.blk.k_scale"
+    landing = land_scale_name(
+        name,
+        "model.layers.3.elsewhere.attn.k_scale",
+        _substr({".blk.": ".blk.attn."}),
+        {"model.layers.3.blk.attn", "model.layers.3.elsewhere.attn"},
+    )
+    assert landing is not None and landing.emit == name
+
+
+@pytest.mark.parametrize(
+    ("name", "translate", "layers", "emit", "target"),
+    [
+        # GPT-BigCode on vLLM's Transformers backend: transformer. -> model., attention at .attn
+        (
+            "transformer.h.1.attn.v_scale",
+            _substr({"transformer.": "model."}),
+            {"model.h.0.attn.attn", "model.h.1.attn.attn"},
+            "transformer.h.1.attn.attn.v_scale",
+            "model.h.1.attn.attn.v_scale",
+        ),
+        # Jamba: .self_attn. -> . ; attention at layers.N.attn
+        (
+            "model.layers.1.self_attn.k_scale",
+            _substr({".self_attn.": "."}),
+            {"model.layers.1.attn"},
+            "model.layers.1.self_attn.attn.k_scale",
+            "model.layers.1.attn.k_scale",
+        ),
+        # Falcon-H1: the rules' answer is already the parameter path
+        (
+            "model.layers.0.self_attn.k_scale",
+            _same,
+            {"model.layers.0.self_attn.attn"},
+            "model.layers.0.self_attn.attn.k_scale",
+            "model.layers.0.self_attn.attn.k_scale",
+        ),
+    ],
+)
+def test_land_per_model_translation(name, translate, layers, emit, target):
+    from kvscale_plugin.names import land_scale_name
+
+    landing = land_scale_name(name, map_scale_name(name, "vllm", None), translate, layers)
+    assert landing is not None
+    assert (landing.emit, landing.target) == (emit, target)
+
+
+def test_land_nowhere_or_ambiguous_is_none():
+    from kvscale_plugin.names import land_scale_name
+
+    # No attention module under the named one.
+    assert (
+        land_scale_name(
+            "model.layers.7.self_attn.k_scale", None, _same, {"model.layers.0.self_attn.attn"}
+        )
+        is None
+    )
+    # Two attention modules under the named module: not guessed.
+    two = {"model.layers.0.a.attn", "model.layers.0.b.attn"}
+    assert land_scale_name("model.layers.0.k_scale", None, _same, two) is None
+    # Not a scale kind at all.
+    assert land_scale_name("model.layers.0.self_attn.weight", None, _same, two) is None
+    # A translation that drops the name.
+    assert land_scale_name("model.layers.0.self_attn.k_scale", None, lambda n: None, two) is None
+
+
+def test_loaded_form_is_a_tail_of_a_landing():
+    from kvscale_plugin.names import is_loaded_form
+
+    layers = {"language_model.model.layers.0.self_attn.attn"}
+    assert is_loaded_form("model.layers.0.self_attn.attn.k_scale", layers)
+    assert is_loaded_form("language_model.model.layers.0.self_attn.attn.v_scale", layers)
+    assert not is_loaded_form("model.layers.0.self_attn.k_scale", layers)
+    assert not is_loaded_form("model.layers.0.self_attn.attn.weight", layers)

@@ -295,3 +295,33 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
             }
         )
     )
+
+
+def _index_part(path: str, index: int) -> re.Match[str] | None:
+    return re.search(rf"(?:^|\.)({index})(?:\.|$)", path)
+
+
+def _templated(path: str, index: int) -> str:
+    match = _index_part(path, index)
+    if match is None:
+        return path.replace("{", "{{").replace("}", "}}")
+    head, tail = path[: match.start(1)], path[match.end(1) :]
+    return head.replace("{", "{{") + "{}" + tail.replace("}", "}}")
+
+
+def layer_rows(stored: dict[int, dict[str, Any]], engine: dict[str, Any]) -> list[list[str]]:
+    """The table rows (``kvscale_plugin/inspection/vllm_layers.py``) a live engine shows:
+    for each checkpoint attention module, the engine layer serving its (distinct) scales
+    -- its parameter path and its name -- with the layer index generalised."""
+    rows: set[tuple[str, str, str]] = set()
+    for name, layer in engine.items():
+        owners = [i for i, s in stored.items() if (s["k"], s["v"]) == (layer.k, layer.v)]
+        if len(owners) != 1 or layer.path is None:
+            continue
+        index = owners[0]
+        module = stored[index]["module"]
+        match = _index_part(module, index)
+        assert match is not None, module
+        pattern = re.escape(module[: match.start(1)]) + r"(\d+)" + re.escape(module[match.end(1) :])
+        rows.add((pattern, _templated(layer.path, index), _templated(name, index)))
+    return [list(row) for row in sorted(rows)]

@@ -1,0 +1,77 @@
+"""Where vLLM serves a checkpoint's attention module, per release and architecture: data.
+
+A running vLLM engine judges each scale name by the path the model's own translation takes
+it to (``hosts/vllm/scalepaths``). ``kvscale inspect`` runs without vLLM (for other
+releases, on Hub checkpoints, in well under a second), so what it knows of each
+architecture's translation is this table, ``data/vllm_layers.json``:
+``{release: {architecture: [[checkpoint module regex, parameter path, layer name], ...]}}``
+with the layer index as ``(\\d+)`` in the regex and ``{}`` in the two templates. The layer
+name is what the engine calls the layer (its static forward context, its messages); the
+parameter path is where its scale parameters live in the model.
+
+The table is measured, not written: ``scripts/gen_vllm_layer_table.py`` starts a kvscale
+engine of each architecture of the family sweep and records which layer serves each
+checkpoint module's (distinct) scales; the sweep (tests/e2e/_family_sweep.py) fails when
+the table and the live engine disagree. An architecture or release not in the table gets
+kvscale's own rules (``names.map_scale_name``), as the report says.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from importlib import resources
+from typing import NamedTuple
+
+TABLE = "vllm_layers.json"
+
+
+class ServedOn(NamedTuple):
+    """Where vLLM serves one checkpoint attention module's scales."""
+
+    parameter: str  # the attention module's path in the model (its scales' parent)
+    layer: str  # the engine's name for the layer
+
+
+@functools.cache
+def table() -> dict[str, dict[str, list[list[str]]]]:
+    text = resources.files("kvscale_plugin").joinpath("data", TABLE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+@functools.cache
+def _rules(release: str, architecture: str) -> tuple[tuple[re.Pattern[str], str, str], ...]:
+    rows = table().get(release, {}).get(architecture, [])
+    return tuple((re.compile(pattern), param, layer) for pattern, param, layer in rows)
+
+
+def measured(release: str | None, architecture: str | None) -> bool:
+    """Whether the table has ``architecture`` on vLLM ``release``."""
+    return bool(release and architecture and _rules(release, architecture))
+
+
+def served_on(release: str | None, architecture: str | None, module: str) -> ServedOn | None:
+    """Where vLLM ``release`` serves checkpoint attention module ``module`` of a model of
+    ``architecture`` (None: not in the table)."""
+    if not release or not architecture:
+        return None
+    for pattern, param, layer in _rules(release, architecture):
+        if (match := pattern.fullmatch(module)) is not None:
+            return ServedOn(param.format(*match.groups()), layer.format(*match.groups()))
+    return None
+
+
+_MODULE = re.compile(
+    r"^(?P<module>.+?)(?:\.(?:[qkv]|qkv|qkqkv)_proj|\.attn)?"
+    r"\.(?:[qkv]_scale|kv_scale|[qkv]_zero_point|output_scale|output_zero_point)$"
+)
+
+
+def checkpoint_module(name: str, mapped: str | None) -> str | None:
+    """The checkpoint attention module a scale tensor belongs to: what the name-mapping
+    rules answered (``<module>.attn.<kind>``), else read off the name itself."""
+    if mapped is not None and (m := re.match(r"^(?P<module>.+)\.attn\.[^.]+$", mapped)):
+        return m["module"]
+    match = _MODULE.match(name)
+    return match["module"] if match is not None else None
