@@ -13,7 +13,7 @@ import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import reload_weights
-from kvscale_testing.skips import needs_fp8_cpu_cache
+from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -205,6 +205,7 @@ def test_explicit_kv_cache_dtype_wins(tiny):
         assert s.source == "unscaled"
 
 
+@follows_cpu_fp8
 def test_corrupt_scales_fail_naming_every_tensor(tiny):
     bad = {0: (0.0, 2.0), 1: (-2.0, 2.0), 2: (2.0, math.nan), 3: (math.inf, 2.0), 4: (2.0, 2.0)}
     malformed = {
@@ -212,8 +213,9 @@ def test_corrupt_scales_fail_naming_every_tensor(tiny):
         "model.layers.4.self_attn.v_scale": torch.tensor([2.0, 2.0]),
     }
     ckpt = tiny("corrupt", num_layers=5, scales=bad, extra_tensors=malformed)
+    # An explicit FP8 cache: the refusal comes at load, before vLLM's CPU checks it.
     with pytest.raises(CorruptScaleError) as info:
-        with vllm_engine(ckpt, quantization="kvscale"):
+        with vllm_engine(ckpt, quantization="kvscale", kv_cache_dtype="fp8"):
             pass
     text = str(info.value)
     for expected in (

@@ -27,7 +27,7 @@ from _run_script import run_script
 from _weight_transfer import FileTransfer, in_process_worker
 from kvscale_testing.checkpoints import read_stored_mtp_scales, read_stored_scales
 from kvscale_testing.engines import reload_weights
-from kvscale_testing.skips import needs_fp8_cpu_cache
+from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
@@ -251,10 +251,12 @@ def test_draft_weight_sync_takes_the_new_mtp_scales(tiny, kvscale_warnings, fami
     assert len(kvscale_warnings("reloads the target model only")) == 1
 
 
+@follows_cpu_fp8
 def test_corrupt_mtp_scale_names_the_checkpoint_tensor(tiny):
     ckpt = _mtp_ckpt(tiny, "mimo", "mtp-mimo-corrupt", mtp_scales={0: (float("nan"), 2.0)})
+    # An explicit FP8 cache: the refusal comes at load, before vLLM's CPU checks it.
     with _fails_to_start(CorruptScaleError) as info:
-        with vllm_engine(ckpt, quantization="kvscale", **MTP):
+        with vllm_engine(ckpt, quantization="kvscale", kv_cache_dtype="fp8", **MTP):
             pass
     text = str(info.value)
     assert (

@@ -14,7 +14,7 @@ import pytest
 from _run_script import run_script
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import attention_layers, reload_weights
-from kvscale_testing.skips import needs_fp8_cpu_cache
+from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -112,11 +112,13 @@ def test_per_head_legacy_kv_scale_serves_k_and_v(tiny):
     assert_heads_equal_checkpoint(scales, read_stored_scales(ckpt))
 
 
+@follows_cpu_fp8
 def test_corrupt_head_stops_start_up_naming_layer_and_head(tiny):
     scales = {0: ([1.5, math.nan], [1.0, 2.0]), 1: ([1.0, 2.0], [0.0, 2.0]), 2: ([1, 2], [1, 2])}
     ckpt = per_head_ckpt(tiny, "per-head-corrupt", scales=scales)
+    # An explicit FP8 cache: the refusal comes at load, before vLLM's CPU checks it.
     with pytest.raises(CorruptScaleError) as info:
-        with vllm_engine(ckpt, quantization="kvscale"):
+        with vllm_engine(ckpt, quantization="kvscale", kv_cache_dtype="fp8"):
             pass
     text = str(info.value)
     assert "model.layers.0.self_attn.k_scale[head 1]: NaN" in text
@@ -124,11 +126,12 @@ def test_corrupt_head_stops_start_up_naming_layer_and_head(tiny):
     assert text.count("\n  - ") == 2
 
 
+@follows_cpu_fp8
 def test_wrong_head_count_is_a_clear_error(tiny):
     three = {i: ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) for i in range(3)}
     ckpt = per_head_ckpt(tiny, "per-head-three", scales=three)
     with pytest.raises(CorruptScaleError) as info:
-        with vllm_engine(ckpt, quantization="kvscale"):
+        with vllm_engine(ckpt, quantization="kvscale", kv_cache_dtype="fp8"):
             pass
     text = str(info.value)
     assert "model.layers.0.self_attn.k_scale: shape (3, 1, 1) does not match" in text

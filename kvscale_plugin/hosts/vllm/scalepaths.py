@@ -220,8 +220,18 @@ class ScaleRenaming:
             stop_recording()  # the model is built: its first load starts
             self.paths = ModelPaths(cfg.attention_layers())
         paths = self.paths
-        if not paths.complete or not paths or pipeline_parallel():
-            # Paths unknown (or this rank holds part of the model): judged on layer names.
+        if paths.loaded_form(key):
+            return key, None  # already a layer's parameter path (or a nested loader's tail)
+        found = (
+            paths.land(key, mapped)
+            if paths.complete and paths and not pipeline_parallel()
+            else None
+        )
+        if found is None:
+            # Not placed by the model's mapper: judged on the layers' names (a model's
+            # ``load_weights`` may rename into them, e.g. Gemma-3n's ``model.layers.N`` ->
+            # ``self_decoder`` / ``cross_decoder``; or the paths are unknown, or this rank
+            # holds part of the model). What the rules answered goes to the model's loader.
             if mapped is None:
                 return key, None
             if not cfg.has_attention_layer_for(mapped):
@@ -229,12 +239,6 @@ class ScaleRenaming:
                 return UNMAPPED_PREFIX + key, None
             cfg.checkpoint_names[mapped] = key  # messages name the file's tensor
             return mapped, None
-        if paths.loaded_form(key):
-            return key, None  # a nested loader's relative name, already translated
-        found = paths.land(key, mapped)
-        if found is None:
-            cfg.unmapped_scales.add(key)
-            return UNMAPPED_PREFIX + key, None
         landing, layer = found
         layer_name = getattr(layer, "layer_name", landing.layer)
         cfg.checkpoint_names[f"{layer_name}.{landing.kind}"] = key
