@@ -181,6 +181,14 @@ INTERNALS: tuple[Internal, ...] = (
         "kvscale's checkpoint-name mapping",
     ),
     _i(
+        "vllm.model_executor.models.utils",
+        "AutoWeightsLoader.load_weights",
+        "scales",
+        "applies the quantization config's KV-scale mapper only when the module it loads or a "
+        "direct child has a quant_config: a model module with a load_weights and none (Jamba) "
+        "is given the kvscale engine's config while it is built (hosts/vllm/scalepaths)",
+    ),
+    _i(
         "vllm.model_executor.utils",
         "is_weights_pre_processed",
         "scales",

@@ -182,7 +182,8 @@ def _translation(root: torch.nn.Module) -> Any:
         own = copy.copy(model)
         own.orig_to_new_renaming = []  # already applied before kvscale's renaming
         rest = own | rest
-    return rest.map_name
+    # ``map_name`` from vLLM 0.32 (``_map_name`` before, kept as an alias there).
+    return getattr(rest, "map_name", None) or rest._map_name
 
 
 UNMAPPED_PREFIX = "__kvscale_unmapped__."
