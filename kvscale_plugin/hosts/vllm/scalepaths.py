@@ -77,10 +77,14 @@ def _give_kv_method(layer: torch.nn.Module, config: Any) -> Any:
     ``Attention.__init__`` would have (``quant_method`` + ``create_weights``), so that its
     checkpoint scales have parameters to land in. Its cache dtype stays what the layer
     resolved without a config (``auto``: the model's dtype). Returns the config, or None."""
+    from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.layers.attention import Attention
 
     if type(layer) is not Attention or getattr(layer, "quant_method", None) is not None:
         return None
+    building = get_current_vllm_config_or_none()
+    if getattr(building, "quant_config", None) is not config:
+        return None  # another engine's model (a stock one built in this process): not ours
     method = config.get_quant_method(layer, prefix=getattr(layer, "layer_name", ""))
     if method is None:
         return None
