@@ -38,7 +38,7 @@ from kvscale_plugin.inspection.tensors import (
     naming,
     zero_point_value,
 )
-from kvscale_plugin.inspection.vllm_layers import checkpoint_module, served_on
+from kvscale_plugin.inspection.vllm_layers import checkpoint_modules, served_on_any
 from kvscale_plugin.inspection.weights import WeightVerdict, combine, judge_weights
 from kvscale_plugin.names import map_scale_name
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
@@ -219,9 +219,10 @@ def _scale_tensors(
         if target is None and not SCALE_LIKE.search(name):
             continue  # a weight, never read
         served = None
-        if host == "vllm" and (module := checkpoint_module(name, target)) is not None:
+        if host == "vllm":
             # The architecture's own translation, as measured on that release's engine.
-            served = served_on(model.vllm_release, model.architecture, module)
+            modules = checkpoint_modules(name, target)
+            served = served_on_any(model.vllm_release, model.architecture, modules)
             if served is not None:
                 target = f"{served.parameter}.{_target_kind(name, target)}"
         how = naming(name)

@@ -63,15 +63,31 @@ def served_on(release: str | None, architecture: str | None, module: str) -> Ser
 
 
 _MODULE = re.compile(
-    r"^(?P<module>.+?)(?:\.(?:[qkv]|qkv|qkqkv)_proj|\.attn)?"
+    r"^(?P<module>.+?)(?P<proj>\.(?:[qkv]|qkv|qkqkv)_proj|\.attn)?"
     r"\.(?:[qkv]_scale|kv_scale|[qkv]_zero_point|output_scale|output_zero_point)$"
 )
 
 
-def checkpoint_module(name: str, mapped: str | None) -> str | None:
-    """The checkpoint attention module a scale tensor belongs to: what the name-mapping
-    rules answered (``<module>.attn.<kind>``), else read off the name itself."""
+def checkpoint_modules(name: str, mapped: str | None) -> tuple[str, ...]:
+    """The checkpoint attention modules a scale tensor may belong to, most likely first:
+    what the name-mapping rules answered (``<module>.attn.<kind>``), the module the name
+    itself ends in, and that module's parent when the name ends in ``.attn`` or a
+    projection (``<module>.attn.k_scale``, ``<module>.k_proj.k_scale``)."""
+    found: list[str] = []
     if mapped is not None and (m := re.match(r"^(?P<module>.+)\.attn\.[^.]+$", mapped)):
-        return m["module"]
-    match = _MODULE.match(name)
-    return match["module"] if match is not None else None
+        found.append(m["module"])
+    if (match := _MODULE.match(name)) is not None:
+        if match["proj"]:
+            found.append(match["module"] + match["proj"])
+        found.append(match["module"])
+    return tuple(dict.fromkeys(found))
+
+
+def served_on_any(
+    release: str | None, architecture: str | None, modules: tuple[str, ...]
+) -> ServedOn | None:
+    """``served_on`` for the first of ``modules`` the table places."""
+    for module in modules:
+        if (found := served_on(release, architecture, module)) is not None:
+            return found
+    return None

@@ -28,7 +28,7 @@ import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import reload_weights, vec_layout_dtype
-from kvscale_testing.skips import needs_fp8_cpu_cache
+from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
 
 from kvscale_plugin.demo.probe import (
     layer_index,
@@ -62,9 +62,11 @@ def _engine_error(model_dir: Path) -> str:
     """Start a kvscale engine that must fail; the error text (with its causes)."""
     from safetensors import SafetensorError
 
-    # CorruptScaleError (a ValueError) or the safetensors library's refusal.
+    # CorruptScaleError (a ValueError) or the safetensors library's refusal. An explicit
+    # FP8 cache: corrupt scales are refused at load, before vLLM's CPU checks the cache
+    # (with `auto`, a CPU without AVX-512 / AMX serves bf16, which takes them with a warning).
     with pytest.raises((ValueError, SafetensorError)) as info:
-        with vllm_engine(model_dir, quantization="kvscale"):
+        with vllm_engine(model_dir, quantization="kvscale", kv_cache_dtype="fp8"):
             pass
     parts, exc = [], info.value
     while exc is not None:
@@ -76,6 +78,7 @@ def _engine_error(model_dir: Path) -> str:
 # ------------------------------------------------------------------ the worst, on engines
 
 
+@follows_cpu_fp8
 def test_corrupt_values_of_every_dtype_named_in_one_error(tiny):
     """0 (f32 scalar), 1e300 (f64: inf in the f32 parameter), NaN (f16 [1]), -1.0 (bf16
     [1, 1, 1]) and a [2] per-tensor scale: one start-up error naming each tensor."""
@@ -101,6 +104,7 @@ def test_corrupt_values_of_every_dtype_named_in_one_error(tiny):
     assert "model.layers.0.self_attn.v_scale" not in text  # the good ones are not named
 
 
+@follows_cpu_fp8
 def test_per_head_nan_head_and_wrong_length_named(tiny):
     scales = {0: ([3.0, math.nan], [2.0, 2.5]), 1: ([3.0, 4.0], [2.0, 2.5])}
     wrong = {"model.layers.1.self_attn.v_scale": torch.full((3, 1, 1), 2.0)}
@@ -351,6 +355,7 @@ def test_unread_corrupt_q_scales_warn_once_and_serve(tiny, caplog, kv_cache_dtyp
         ), loaded
 
 
+@follows_cpu_fp8
 def test_corrupt_q_scale_is_refused_where_attention_reads_it(tiny, monkeypatch):
     """Where queries are quantized with the q scale (FP8 attention on a GPU), a corrupt one
     is refused with the k/v scales' error, naming the checkpoint tensor. Run here by
