@@ -51,6 +51,18 @@ _LINEAR: dict[str, Any] = dict(
     layer_types=["linear_attention", "full_attention"],
 )
 
+# GPT-2-style configs name the geometry n_embd / n_layer / n_head / n_positions.
+_GPT2_NAMES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "intermediate_size",
+)
+_GPT2 = {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512}
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "LlamaConfig", "dense"),
     Family("mistral", "MistralConfig", "sliding-window", {"sliding_window": 64}),
@@ -127,31 +139,15 @@ FAMILIES: tuple[Family, ...] = (
         "gpt_bigcode",
         "GPTBigCodeConfig",
         "fused-qkv (c_attn)",
-        {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "multi_query": True},
-        drop=(
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "intermediate_size",
-        ),
+        {**_GPT2, "multi_query": True},
+        drop=_GPT2_NAMES,
     ),
     Family(
         "gptj",
         "GPTJConfig",
         "dense",
-        {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 512, "rotary_dim": 32},
-        drop=(
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "intermediate_size",
-        ),
+        {**_GPT2, "rotary_dim": 32},
+        drop=_GPT2_NAMES,
     ),
     Family(
         "qwen3_next",
