@@ -13,8 +13,9 @@ not know.
 The attention modules' paths: torch modules know no parent, and vLLM hands the quantization
 config no model. While a kvscale engine builds a model, torch's public module-registration
 hook (``register_module_module_registration_hook``) records which module each new module is
-assigned to; from the first attention layer built to the model's first load (the hook is
-removed then), only in a process that builds a kvscale engine.
+assigned to: from the kvscale config's creation (or unpickling, in a worker) or the first
+attention layer built, to the model's first load (the hook is removed then), only in a
+process that builds a kvscale engine.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ _parents: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[Any], str
     weakref.WeakKeyDictionary()
 )
 _handle: Any = None
-
-
+# The kvscale config whose engine is building its model (None: none is).
+_building: Any = None
 # module -> the kvscale config of an attention layer it holds (to hand its loader).
 _holds: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -66,9 +67,6 @@ def _record_parent(module: torch.nn.Module, name: str, submodule: Any) -> None:
         module, "quant_config"
     ):
         module.quant_config = config
-
-
-_building: Any = None
 
 
 def _give_kv_method(layer: torch.nn.Module, config: Any) -> Any:
