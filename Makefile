@@ -88,8 +88,14 @@ test-sglang: venv $(TEST_RULES)/.installed
 # Every venv the tests need, built side by side (pip's cache is shared; each setup is
 # idempotent and returns at once when up to date): .venv, .venv-sglang and one venv per
 # older vLLM release. Each one's log is in build/setup-*.log.
+# They take about 16 GB on disk in all (measured 2026-12-05: .venv 3.6, each older vLLM
+# 3.5, .venv-sglang 2.6, .venv-llmcompressor 1.5, build/ 1.3): with less free, pip stops
+# with "No space left on device", so say so first.
 envs:
-	@mkdir -p build; pids=""; \
+	@mkdir -p build; free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt 18 ]; then echo "make envs: only $$free GB free in $$(pwd); the venvs \
+	need about 16 GB (more while pip unpacks): free some space if pip reports 'No space left \
+	on device'." >&2; fi; pids=""; \
 	$(MAKE) --no-print-directory venv > build/setup-venv.log 2>&1 & pids="$$pids $$!"; \
 	scripts/setup_sglang_venv.sh $(SGLANG_VENV) > build/setup-sglang.log 2>&1 & pids="$$pids $$!"; \
 	scripts/setup_llmcompressor_venv.sh $(LLMCOMPRESSOR_VENV) > build/setup-llmcompressor.log 2>&1 & pids="$$pids $$!"; \
