@@ -37,8 +37,12 @@ no scale for the layer, start-up              1.0 (one warning for a declared sc
 Per layer, the cycle's state is one ``LayerRecord`` (the same for both hosts), kept on the
 host's attention layer for its lifetime; the config of an engine owns one ``Cycle``: the
 records it built in this process, which are still to be processed, the union of what their
-loaders refused (read once per cycle, not once per layer) and the INFO line that says,
-when the last layer is processed, what the cycle served.
+loaders refused (read once per cycle, not once per layer), the INFO line that says, when
+the last layer is processed, what the cycle served, and the cycle's one ``Verdict``:
+``Cycle.judge`` applies the rule to a layer (every host-specific fact -- the cache serves
+the scales, attention reads q scales, scales were expected -- is an argument) and files
+the outcome; the host takes the verdict at the cycle's end (``Cycle.take_verdict``) and
+only raises, returns or logs it in its own API.
 
 Pure: hosts hand in plain tensors and flags, never a host object.
 """
@@ -210,6 +214,29 @@ def decide(
     return Outcome(Action.SERVE, resolve_kv_scales(k, v, fnuz=fnuz))
 
 
+@dataclass
+class Verdict:
+    """What one load cycle did, filed layer by layer by ``Cycle.judge`` (tensors named as
+    on disk, layers by the host's names). The host reports it in its own API."""
+
+    #: the cycle is refused for these: at start-up the load raises; in a reload every
+    #: layer kept the scales in force. Corrupt k/v scales, and q scales where attention
+    #: reads them.
+    refused: CorruptScales = field(default_factory=CorruptScales)
+    #: corrupt k/v scales no cache uses (a bf16 cache): warned about, never served.
+    unused: CorruptScales = field(default_factory=CorruptScales)
+    #: corrupt q scales nothing reads: warned about, never served.
+    unread_q: CorruptScales = field(default_factory=CorruptScales)
+    #: layers a reload carried no scale for: they keep the scales in force.
+    kept_without_scales: list[str] = field(default_factory=list)
+    #: layers served 1.0 for want of scales where scales were expected.
+    missing: list[str] = field(default_factory=list)
+    #: a layer of the cycle had served before (the cycle is a reload).
+    reload: bool = False
+    #: a layer of the cycle is a speculative-decoding draft's.
+    draft: bool = False
+
+
 #: The attribute a host's attention layer keeps its ``LayerRecord`` in.
 RECORD_ATTR = "kvscale_record"
 
@@ -239,10 +266,9 @@ class LayerRecord:
     resolved: ResolvedScales | None = None
     raw: dict[str, tuple[float, ...]] | None = None
     source: str | None = None
-    #: the reload being checked: refused (the layer kept its scales), processed by the
-    #: KV method (a reload that reaches no KV method carried no scale for the layer).
-    refused: bool = False
-    reloaded: bool = False
+    #: judged in the cycle being reported (a layer no KV method processed is judged when
+    #: the host ends the cycle: ``Cycle.judge``).
+    judged: bool = False
     #: a speculative-decoding draft's layer (its own warnings and reload rules).
     draft: bool = False
     #: host-side copies kept equal to the served k/v scales (SGLang's Qwen3 fused write).
@@ -270,7 +296,6 @@ class LayerRecord:
         """The layer now serves ``resolved``, counted as ``source`` (default: its own)."""
         self.resolved = resolved
         self.source = source or resolved.source.value
-        self.refused = False
 
 
 class Cycle:
@@ -279,14 +304,22 @@ class Cycle:
     they were given (otherwise ``--quantization kvscale`` says nothing at a host's default
     log level). Reloads and MTP drafts build their layers again: each cycle gets its line."""
 
-    def __init__(self, target_of: Callable[[LayerRecord], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        target_of: Callable[[LayerRecord], str | None] | None = None,
+        on_disk: Mapping[str, str] | None = None,
+    ) -> None:
         self.records: weakref.WeakValueDictionary[str, LayerRecord] = weakref.WeakValueDictionary()
         # Whose cache a layer reads, where the host knows it only after building the
         # layer (vLLM): asked when the cycle's refusals are gathered.
         self._target_of = target_of
+        # The host's parameter name -> checkpoint tensor (as on disk), kept up to date by
+        # its name mapping: the verdict names tensors as the file does.
+        self._on_disk: Mapping[str, str] = on_disk if on_disk is not None else {}
         self.pending: set[str] = set()
         self._processed: dict[str, tuple[str, ResolvedScales, str]] = {}
         self._refused: tuple[CorruptScales, CorruptScales] | None = None
+        self.verdict = Verdict()
 
     def record(self, name: str, layer: object, **fields: Any) -> LayerRecord:
         """A new record for ``layer``, registered under ``name`` and kept on the layer
@@ -321,6 +354,57 @@ class Cycle:
                     q.update(record.corrupt_q)
             self._refused = (kv, q)
         return self._refused
+
+    def judge(
+        self,
+        record: LayerRecord,
+        *,
+        serves: bool,
+        reads_q: bool = False,
+        expects_scales: bool = True,
+        fnuz: bool = False,
+    ) -> Outcome:
+        """``decide`` for ``record``'s layer with what this cycle loaded and refused, filed in
+        the cycle's verdict. ``serves``: its cache serves checkpoint scales
+        (``serves_checkpoint_scales``); ``reads_q``: its attention reads q scales (a corrupt
+        one is then refused with the k/v scales; else it is unread); ``expects_scales``:
+        a layer served 1.0 is missing scales (not after a dummy load, nor without a
+        scheme); ``fnuz``: the platform's FP8 is e4m3fnuz."""
+        kv, q = self.refused()
+        reads = serves and reads_q
+        corrupt = CorruptScales.union(kv, q) if reads and q else kv
+        reload = record.resolved is not None
+        outcome = decide(
+            serves=serves,
+            reload=reload,
+            corrupt=bool(corrupt),
+            k=record.value("k_scale"),
+            v=record.value("v_scale"),
+            fnuz=fnuz,
+        )
+        verdict = self.verdict
+        verdict.reload |= reload
+        verdict.draft |= record.draft
+        record.judged = True
+        if q and not reads:
+            verdict.unread_q.update(q.renamed(self._on_disk))
+        if outcome.action is Action.REFUSE or outcome.refused:
+            verdict.refused.update(corrupt.renamed(self._on_disk))
+        if outcome.unused_corrupt:
+            verdict.unused.update(corrupt.renamed(self._on_disk))
+        if outcome.carried_none and record.name not in verdict.kept_without_scales:
+            verdict.kept_without_scales.append(record.name)
+        if outcome.missing and expects_scales and record.name not in verdict.missing:
+            verdict.missing.append(record.name)
+        return outcome
+
+    def take_verdict(self) -> Verdict:
+        """The cycle's verdict, for the host to report; the next cycle files a new one
+        (and judges every layer again)."""
+        verdict, self.verdict = self.verdict, Verdict()
+        for record in list(self.records.values()):
+            record.judged = False
+        return verdict
 
     def done(self, record: LayerRecord, pool: str, *, prefix: str = "") -> bool:
         """``record`` was processed (its cache dtype ``pool``); True when it was the

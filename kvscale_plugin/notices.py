@@ -10,11 +10,14 @@ Imports no host engine.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvscale_plugin._log import logger, shorten, warn_once
 from kvscale_plugin.scales import CorruptScales
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
+
+if TYPE_CHECKING:
+    from kvscale_plugin.loadcycle import Verdict
 
 
 def announce_verdict(scheme: Any, scope: str = "") -> SchemeVerdict:
@@ -98,6 +101,19 @@ def warn_unused_corrupt(corrupt: CorruptScales, scope: str = "") -> None:
     engine's KV cache does not use (``unused_corrupt_message``)."""
     labels = ",".join(sorted(corrupt.as_mapping()))
     warn_once(f"{scope}unused-corrupt:{labels}", "%s", unused_corrupt_message(corrupt))
+
+
+def warn_verdict(verdict: Verdict, scope: str = "", *, draft_scope: str = "") -> None:
+    """The warnings of a load cycle's verdict, once per engine (``scope``) and cause: the
+    corrupt scales no cache uses, the layers served 1.0 for want of scales (a draft's in
+    its own warning: ``draft_scope``), the layers a reload carried no scale for. Its
+    refusal and its unread q scales are the host's to report."""
+    if verdict.unused:
+        warn_unused_corrupt(verdict.unused, scope)
+    if verdict.missing:
+        warn_missing_scales(verdict.missing, scope + (draft_scope if verdict.draft else ""))
+    if verdict.kept_without_scales:
+        warn_reload_without_scales(verdict.kept_without_scales, scope)
 
 
 def warn_reload_without_scales(layer_names: Iterable[str], scope: str = "") -> None:

@@ -218,3 +218,69 @@ def test_a_record_serves_reports_its_source_and_the_last_layer_ends_the_cycle(ca
         assert cycle.done(b, "fp8_e4m3") is True
     assert "2 attention layer(s) loaded, KV cache fp8_e4m3" in caplog.text
     assert "1 reading another layer's cache" in caplog.text
+
+
+# --- the cycle's one verdict (Cycle.judge, Cycle.take_verdict) -----------------------------
+
+
+def _judged_cycle(tensors: dict[str, float], *, served: bool) -> tuple[Cycle, list[LayerRecord]]:
+    """Two layers (``l0``, ``l1``; ``served``: both served 2.0 / 3.0 before: a reload),
+    given ``tensors`` (``<layer>.<kind>``) through their loaders."""
+    cycle = Cycle(on_disk={"l1.q_scale": "model.layers.1.self_attn.q_scale"})
+    records = [cycle.record(f"l{i}", Layer()) for i in range(2)]
+    for record in records:
+        if served:
+            record.served(
+                decide(serves=True, reload=False, corrupt=False, k=(2.0,), v=(3.0,)).resolved
+            )
+        record.start()
+    for name, value in tensors.items():
+        layer, kind = name.rsplit(".", 1)
+        record = records[int(layer[1:])]
+        scale_loader(record, kind, None)(torch.zeros(()), torch.tensor(value))
+    return cycle, records
+
+
+def test_a_reload_whose_only_corrupt_tensor_is_a_q_scale_read_by_attention_is_refused():
+    tensors = {"l0.k_scale": 4.0, "l0.v_scale": 6.0, "l1.k_scale": 8.0, "l1.q_scale": math.nan}
+    cycle, records = _judged_cycle(tensors, served=True)
+    outcomes = [cycle.judge(r, serves=True, reads_q=True) for r in records]
+    assert [o.action for o in outcomes] == [Action.KEEP, Action.KEEP]
+    verdict = cycle.take_verdict()
+    # Named as on disk, so that a user finds it in the file.
+    assert list(verdict.refused.as_mapping()) == ["model.layers.1.self_attn.q_scale"]
+    assert not verdict.unread_q and verdict.reload
+    # Where no attention reads q scales it is unread: warned about, the reload serves.
+    cycle, records = _judged_cycle(tensors, served=True)
+    outcomes = [cycle.judge(r, serves=True, reads_q=False) for r in records]
+    assert [o.action for o in outcomes] == [Action.SERVE, Action.SERVE]
+    verdict = cycle.take_verdict()
+    assert not verdict.refused
+    assert list(verdict.unread_q.as_mapping()) == ["model.layers.1.self_attn.q_scale"]
+
+
+def test_the_verdict_files_every_outcome_and_a_new_cycle_starts_empty():
+    # Start-up, a layer without scales: missing where scales were expected, only then.
+    for expects, missing in ((True, ["l1"]), (False, [])):
+        cycle, records = _judged_cycle({"l0.k_scale": 4.0}, served=False)
+        for record in records:
+            cycle.judge(record, serves=True, expects_scales=expects)
+        verdict = cycle.take_verdict()
+        assert verdict.missing == missing and not verdict.reload and not verdict.refused
+    # A reload that carried nothing for l1 keeps its scales, and says so.
+    cycle, records = _judged_cycle({"l0.k_scale": 4.0}, served=True)
+    assert [cycle.judge(r, serves=True).action for r in records] == [Action.SERVE, Action.KEEP]
+    assert all(r.judged for r in records)
+    verdict = cycle.take_verdict()
+    assert verdict.kept_without_scales == ["l1"] and not verdict.missing
+    assert not any(r.judged for r in records)
+    assert not (cycle.verdict.kept_without_scales or cycle.verdict.reload)
+    # A bf16 cache: a corrupt scale is unused, never refused.
+    cycle, records = _judged_cycle({"l0.k_scale": -1.0}, served=True)
+    assert {cycle.judge(r, serves=False).action for r in records} == {Action.SERVE}
+    verdict = cycle.take_verdict()
+    assert list(verdict.unused.as_mapping()) == ["l0.k_scale"] and not verdict.refused
+    # A start-up load with a corrupt scale is refused, naming it.
+    cycle, records = _judged_cycle({"l0.k_scale": -1.0}, served=False)
+    assert cycle.judge(records[0], serves=True).action is Action.REFUSE
+    assert list(cycle.verdict.refused.as_mapping()) == ["l0.k_scale"]

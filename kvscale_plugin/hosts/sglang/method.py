@@ -7,8 +7,10 @@ SGLang 0.5.23's gaps live apart, in ``hosts.sglang.patches``.
 
 Thin translation from SGLang's quantization API to the host-independent core:
 ``scheme.judge_kv_cache_scheme`` judges the scheme, ``loadcycle`` reads each loaded tensor
-and decides what a load or reload serves (the same rule as vLLM's adapter). Nothing here
-decides policy.
+and judges what a load or reload serves (``Cycle.judge``, the same rule as vLLM's adapter);
+this module passes it SGLang's facts (the requested cache dtype, a dummy load) and
+reports the cycle's verdict. The one decision of its own: an attention backend that would
+ignore the scales is refused (``hosts.sglang.backends``).
 
 * ``KVScaleConfig``: SGLang's ``CompressedTensorsConfig`` (linear / MoE weight
   schemes unchanged) whose ``RadixAttention`` layers get ``KVScaleKVCacheMethod``.
@@ -58,28 +60,21 @@ from kvscale_plugin.loadcycle import (
     Action,
     Cycle,
     LayerRecord,
-    decide,
     layer_record,
     scale_loader,
     serve_target,
     serves_checkpoint_scales,
     zero_point_loader,
 )
-from kvscale_plugin.notices import (
-    announce_verdict,
-    refused_reload_message,
-    warn_missing_scales,
-    warn_reload_without_scales,
-    warn_unused_corrupt,
-)
-from kvscale_plugin.scales import SENTINEL, CorruptScaleError, CorruptScales, ResolvedScales
+from kvscale_plugin.notices import announce_verdict, refused_reload_message, warn_verdict
+from kvscale_plugin.scales import SENTINEL, CorruptScaleError, ResolvedScales
 from kvscale_plugin.scheme import SchemeVerdict
 from kvscale_plugin.sharing import SHARED_SOURCE, SharedLayers
 
 #: The host name the pluggy name-mapping hook is asked with.
 HOST = "sglang"
 _SCALE_NAMES = ("k_scale", "v_scale")
-#: Attribute set on every parameter this method creates (loaders and patches key on it).
+#: Attribute set on every parameter this method creates (the patches key on it).
 PLACEHOLDER_ATTR = "kvscale_placeholder"
 
 
@@ -150,18 +145,14 @@ class KVScaleConfig(CompressedTensorsConfig):
         # How many times the model's load_weights ran (0 after a dummy load); counted
         # by the load_weights wrapper that patches.py installs.
         self.weight_loads = 0
-        # The reload being processed: what it refused (named as on disk; every layer kept
-        # its scales) and the layers it carried no scale for. ``refused`` stays until the
-        # caller's entry point reads it (``take_refusal``); True while one that reports
-        # the refusal itself (update_weights_from_disk: patches.py) is running.
-        self.refused = CorruptScales()
-        self.kept_without_scales: set[str] = set()
+        # True while an entry point that reports the cycle's verdict itself
+        # (update_weights_from_disk: patches.py) is running.
         self.caller_reports_refusal = False
         # Layers that read another layer's cache: what their own checkpoint scales were.
         self.shared = SharedLayers()
         # The layers' records (what each cycle loaded, refused and serves), the INFO line
         # of each cycle, and the layers themselves (sharers are re-synced at its end).
-        self.cycle = Cycle()
+        self.cycle = Cycle(on_disk=self.checkpoint_names)
         self._layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
@@ -184,11 +175,6 @@ class KVScaleConfig(CompressedTensorsConfig):
             # process that builds one: this process serves with kvscale.
             activate()
         return claimed
-
-    def take_refusal(self) -> CorruptScales:
-        """What the last reload refused (empty: nothing), forgotten once read."""
-        refused, self.refused = self.refused, CorruptScales()
-        return refused
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if isinstance(layer, RadixAttention):
@@ -326,39 +312,24 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
             if cfg.cycle.done(record, pool):
                 _end_cycle(cfg)
             return
-        corrupt = cfg.cycle.refused()[0].renamed(cfg.checkpoint_names)
-        # The one rule for both hosts (loadcycle.decide).
-        outcome = decide(
-            serves=applies,
-            reload=record.resolved is not None,
-            corrupt=bool(corrupt),
-            k=loaded.get("k_scale"),
-            v=loaded.get("v_scale"),
-            fnuz=is_fp8_fnuz(),
+        # The one rule for both hosts (loadcycle.decide), judged with the whole model's
+        # refusals. No load through load_weights yet (a dummy load, e.g. for RL: the real
+        # weights come with a later reload): no checkpoint to miss scales from.
+        outcome = cfg.cycle.judge(
+            record, serves=applies, expects_scales=cfg.weight_loads > 0, fnuz=is_fp8_fnuz()
         )
         if outcome.action is Action.REFUSE:
-            raise CorruptScaleError(corrupt.message())
+            raise CorruptScaleError(cfg.cycle.verdict.refused.message())
         record.loaded.clear()
-        if outcome.unused_corrupt:
-            warn_unused_corrupt(corrupt)
-        if outcome.action is Action.KEEP:
-            # Never raises in a reload: SGLang post-processes layer by layer and its
-            # weight-update paths have no rollback that could survive it (the disk update
-            # "rolls back" by loading the same new checkpoint again). The layer keeps its
-            # scales; the reload is refused once SGLang has finished (``_end_cycle``).
-            if outcome.refused:
-                cfg.refused.update(corrupt)
-            if outcome.carried_none:
-                cfg.kept_without_scales.add(record.name)
-        else:
+        # KEEP never raises in a reload: SGLang post-processes layer by layer and its
+        # weight-update paths have no rollback that could survive it (the disk update
+        # "rolls back" by loading the same new checkpoint again). The layer keeps its
+        # scales; the reload is refused once SGLang has finished (``_end_cycle``).
+        if outcome.action is Action.SERVE:
             resolved = outcome.resolved
             assert resolved is not None
             if loaded and not outcome.unused_corrupt:
                 record.raw = loaded  # a cycle with a corrupt tensor never becomes the record
-            # No load through load_weights yet (dummy load, e.g. for RL: the real
-            # weights come with a later reload): no checkpoint to miss scales from.
-            if outcome.missing and cfg.weight_loads > 0:
-                _warn_missing_scales(cfg)
             if resolved.per_head:
                 _announce_per_layer_max()
             _write_scales(layer, record, resolved)
@@ -369,21 +340,29 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 
 def _end_cycle(cfg: KVScaleConfig) -> None:
     """Every layer of the cycle processed: sharing layers re-synced with their targets and
-    what they shipped said once; say once what the reload kept."""
+    what they shipped said once; the cycle's verdict reported (by the caller, where it
+    answers the reload itself: ``patches._hook_update_weights_from_disk``)."""
     for record, resolved in cfg.cycle.sharing_records():
         layer = cfg._layers.get(record.name)
         if layer is not None:
             _write_scales(layer, record, resolved)
     for i, message in enumerate(cfg.shared.warnings()):
         warn_once(f"sglang-shared-kv-{i}", "%s", message)
-    if cfg.kept_without_scales:
-        warn_reload_without_scales(cfg.kept_without_scales)
-        cfg.kept_without_scales.clear()
-    if cfg.refused and not cfg.caller_reports_refusal:
-        # A weight-update session (update_weights_from_tensor / _distributed, closed by
-        # end_weight_update): SGLang's session answers "Success" whatever its quant
-        # methods found, so the refusal can only be logged.
-        logger.error("%s", refused_reload_message(cfg.take_refusal(), "SGLang"))
+    if not cfg.caller_reports_refusal:
+        refused = report_verdict(cfg)
+        if refused:
+            # A weight-update session (update_weights_from_tensor / _distributed, closed by
+            # end_weight_update): SGLang's session answers "Success" whatever its quant
+            # methods found, so the refusal can only be logged.
+            logger.error("%s", refused)
+
+
+def report_verdict(cfg: KVScaleConfig) -> str | None:
+    """Take the cycle's verdict: its warnings, once per cause; returns the error of a
+    refused reload (None: not refused) for the caller to answer or log."""
+    verdict = cfg.cycle.take_verdict()
+    warn_verdict(verdict)
+    return refused_reload_message(verdict.refused, "SGLang") if verdict.refused else None
 
 
 def _announce_per_layer_max() -> None:
@@ -442,14 +421,6 @@ def _backend_verdict() -> BackendVerdict:
     if verdict.action is BackendAction.MODEL_DTYPE:
         warn_once("sglang-scale-blind-backend", "%s", verdict.message)
     return verdict
-
-
-def _warn_missing_scales(cfg: KVScaleConfig) -> None:
-    warn_missing_scales(
-        name
-        for name, record in cfg.cycle.records.items()
-        if not record.loaded and not record.raw and not record.target
-    )
 
 
 def register_quantization() -> None:

@@ -28,8 +28,9 @@ itself (imports the module, follows the attribute chain, and checks the paramete
 each hook reads by name or position) and raises ``RuntimeError`` naming each moved
 target, what its patch does, the installed SGLang and what to install.
 ``hosts.sglang.register`` runs it before anything is registered, so on such a SGLang
-``kvscale`` is not offered at all (``load_plugins`` logs the error with its traceback;
-``--quantization kvscale`` is then an unknown choice) instead of half-working.
+``kvscale`` is not offered at all (``register`` catches the error and warns once, naming
+the moved targets; ``--quantization kvscale`` is then an unknown choice) instead of
+half-working.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_pl
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
 from kvscale_plugin.hosts._common import parameter_names, resolve_attribute
-from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig
+from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig, report_verdict
 from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.names import (
     declared_mtp_layers,
@@ -60,7 +61,7 @@ from kvscale_plugin.names import (
     names_attention_layer,
     scale_kind,
 )
-from kvscale_plugin.notices import refused_reload_message, warn_unmapped_scales
+from kvscale_plugin.notices import warn_unmapped_scales
 from kvscale_plugin.releases import SGLANG_RUN
 
 #: The SGLang release these patches were written against (and tested with).
@@ -313,9 +314,9 @@ def _hook_update_weights_from_disk(
         result = original(updater, *args, **kwargs)
     finally:
         cfg.caller_reports_refusal = False
-    refused = cfg.take_refusal()
+    refused = report_verdict(cfg)
     if refused and isinstance(result, tuple) and result and result[0]:
-        return False, refused_reload_message(refused, "SGLang")
+        return False, refused
     return result
 
 

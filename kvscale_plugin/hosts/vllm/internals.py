@@ -189,6 +189,14 @@ INTERNALS: tuple[Internal, ...] = (
         "is given the kvscale engine's config while it is built (hosts/vllm/scalepaths)",
     ),
     _i(
+        "vllm.config.model",
+        "ModelConfig.get_total_num_kv_heads",
+        "scales",
+        "per-head schemes: the model's KV heads, which TP partitions or replicates (read "
+        "where the quantization config has no total_num_kv_heads: vLLM sets that and "
+        "total_num_heads only for a compressed-tensors config with config_groups)",
+    ),
+    _i(
         "vllm.model_executor.utils",
         "is_weights_pre_processed",
         "scales",

@@ -1,9 +1,11 @@
 """vLLM classes for ``--quantization kvscale`` (imported only by ``hosts.vllm.register``).
 
 Thin translation from vLLM's quantization API to the host-independent core:
-``scheme.judge_kv_cache_scheme`` judges the scheme, ``names.map_scale_name`` maps,
-``loadcycle`` reads each loaded tensor and decides what a load or reload serves (the same
-rule as SGLang's adapter). Nothing here decides policy.
+``scheme.judge_kv_cache_scheme`` judges the scheme, ``scalepaths`` maps names,
+``loadcycle`` reads each loaded tensor and judges what a load or reload serves
+(``Cycle.judge``, the same rule as SGLang's adapter); this module passes it vLLM's facts
+(the layer's cache, q scales read, a dummy load) and writes what the layer serves. A
+start-up load's verdict is reported at the cycle's end, a reload's by ``reload.check_reload``.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.layers import (
-    DRAFT_SCOPE,
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
-from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
+from kvscale_plugin.hosts.vllm.qscales import reads_q_scale
+from kvscale_plugin.hosts.vllm.reload import report_verdict
 from kvscale_plugin.hosts.vllm.scalepaths import (
     UNMAPPED_PREFIX,
     ScaleRenaming,
@@ -62,7 +64,6 @@ from kvscale_plugin.loadcycle import (
     Cycle,
     LayerRecord,
     computes_own_scales,
-    decide,
     layer_record,
     scale_loader,
     serve_target,
@@ -76,9 +77,7 @@ from kvscale_plugin.names import (
 from kvscale_plugin.notices import (
     announce_verdict,
     dynamic_scales_notice,
-    warn_missing_scales,
     warn_unmapped_scales,
-    warn_unused_corrupt,
 )
 from kvscale_plugin.scales import (
     SENTINEL,
@@ -163,7 +162,10 @@ class KVScaleConfig(CompressedTensorsConfig):
         """This process's load cycles; a layer's cache target is read off the layer
         (vLLM sets it after the KV method built the layer's placeholders)."""
         layers = self._attention_layers
-        return Cycle(target_of=lambda record: sharing_target(layers.get(record.name)))
+        return Cycle(
+            target_of=lambda record: sharing_target(layers.get(record.name)),
+            on_disk=self.checkpoint_names,
+        )
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANTIZATION_METHOD
@@ -355,46 +357,30 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         applies = layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
         if computes_own_scales(layer.kv_cache_dtype):
             info_once(f"{cfg.warn_scope}dynamic", dynamic_scales_notice(layer.kv_cache_dtype))
-        reload = record.resolved is not None
-        record.reloaded = reload
-        # Every layer of this model loaded before any is processed: the cycle's refusals
-        # (read once per cycle) come from all of them (one error names every bad tensor).
-        corrupt, corrupt_q = cfg.cycle.refused()
-        if corrupt_q:
-            if applies and reads_q_scale(layer):
-                corrupt = CorruptScales.union(corrupt, corrupt_q)  # refused with k/v below
-            else:
-                warn_unread_q_scales(cfg, corrupt_q)
         fnuz = current_platform.is_fp8_fnuz()
-        # The one rule for both hosts (loadcycle.decide).
-        outcome = decide(
+        # The one rule for both hosts, judged with the whole model's refusals (every layer
+        # loaded before any is processed: one error names every bad tensor).
+        outcome = cfg.cycle.judge(
+            record,
             serves=applies,
-            reload=reload,
-            corrupt=bool(corrupt),
-            k=loaded["k_scale"],
-            v=loaded["v_scale"],
+            reads_q=reads_q_scale(layer),
+            expects_scales=cfg.kv_verdict.declared and not _is_dummy_load(),
             fnuz=fnuz,
         )
         if outcome.action is Action.REFUSE:
-            raise CorruptScaleError(cfg.on_disk(corrupt).message())
-        if outcome.unused_corrupt:
-            warn_unused_corrupt(cfg.on_disk(corrupt), cfg.warn_scope)
+            raise CorruptScaleError(cfg.cycle.verdict.refused.message())
         if outcome.action is Action.KEEP:
             # A reload refused for corrupt scales, or one that carried none for this layer:
             # the layer keeps the scales it had. Never raises here: that would leave vLLM's
             # layerwise reload half done (later layers unprocessed); the worker's reload
-            # entry point refuses the reload once vLLM has finished, or says once that it
-            # carried no scales (``reload.check_reload``).
-            record.refused = outcome.refused
-            record.reloaded = not outcome.carried_none
+            # entry point reports the cycle's verdict once vLLM has finished
+            # (``reload.check_reload``).
             self._drop_placeholders(layer, record)
             return
 
         resolved = outcome.resolved
         assert resolved is not None
         if applies:
-            if outcome.missing and cfg.kv_verdict.declared and not _is_dummy_load():
-                _warn_missing_scales(cfg, draft=record.draft)
             # As stock vLLM: a q scale only when the checkpoint has one, else 1.0.
             factor = 2.0 if fnuz else 1.0
             q = loaded["q_scale"]
@@ -433,6 +419,9 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         pool = str(layer.kv_cache_dtype)
         if counted and cfg.cycle.done(record, pool, prefix="(MTP draft) " if record.draft else ""):
             finish_load_cycle(cfg)
+            if not cfg.cycle.verdict.reload:
+                # A start-up load's verdict (a reload's is the reload check's to report).
+                report_verdict(cfg, cfg.cycle.take_verdict())
         self._drop_placeholders(layer, record)
 
     @staticmethod
@@ -468,27 +457,6 @@ def _is_dummy_load() -> bool:
 
     config = get_current_vllm_config_or_none()
     return config is not None and str(config.load_config.load_format) == "dummy"
-
-
-def _warn_missing_scales(cfg: KVScaleConfig, *, draft: bool = False) -> None:
-    # The target model's layers are processed before an MTP draft is built, so a draft's
-    # warning lists its own layers, in its own warning: the layers of this cycle still to
-    # process (this one included) that loaded neither k nor v.
-    def missing(name: str, layer: torch.nn.Module) -> bool:
-        record = layer_record(layer)
-        return (
-            name in cfg.cycle.pending
-            and record is not None
-            and sharing_target(layer) is None
-            and layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
-            and record.value("k_scale") is None
-            and record.value("v_scale") is None
-        )
-
-    warn_missing_scales(
-        (name for name, layer in cfg._attention_layers.items() if missing(name, layer)),
-        f"{cfg.warn_scope}{DRAFT_SCOPE}" if draft else cfg.warn_scope,
-    )
 
 
 def _explicit_fp8_cache() -> bool:

@@ -1,10 +1,8 @@
 """Query scales (``q_scale``) in a checkpoint: whether the attention in use reads them, and
 the warning for corrupt ones that nothing reads (refused, with the k/v scales, where
-something does: ``method.process_weights_after_loading``)."""
+something does: ``loadcycle.Cycle.judge``)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from vllm.platforms import current_platform
@@ -21,13 +19,14 @@ def reads_q_scale(layer: torch.nn.Module) -> bool:
     return getattr(layer, "query_quant", None) is not None or not current_platform.is_cpu()
 
 
-def warn_unread_q_scales(cfg: Any, corrupt_q: CorruptScales) -> None:
-    """Once per engine: corrupt q scales that no attention in use reads are ignored."""
-    problems = cfg.on_disk(corrupt_q).records()
+def warn_unread_q_scales(corrupt_q: CorruptScales, scope: str) -> None:
+    """Once per engine (``scope``): corrupt q scales (named as on disk) that no attention
+    in use reads are ignored."""
+    problems = corrupt_q.records()
     shown = "; ".join(f"{p.label}: {p.why}" for p in sorted(problems, key=lambda p: p.label)[:4])
     more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
     warn_once(
-        f"{cfg.warn_scope}q-scales-unread",
+        f"{scope}q-scales-unread",
         "kvscale: %d query-scale value(s) in the checkpoint cannot be used (%s%s). No "
         "attention here reads a q scale (vLLM's CPU attention, or no FP8 query "
         "quantization), so they are ignored and the engine serves; the KV cache does not "

@@ -37,19 +37,17 @@ import torch
 from kvscale_plugin._log import shorten, warn_once
 from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import (
+    DRAFT_SCOPE,
     EngineConfig,
     is_kvscale_layer,
     kvscale_config,
     layer_serves_checkpoint_scales,
 )
+from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
-from kvscale_plugin.loadcycle import LayerRecord, layer_record
-from kvscale_plugin.notices import (
-    refused_reload_message,
-    warn_reload_without_scales,
-    warn_unused_corrupt,
-)
-from kvscale_plugin.scales import CorruptScaleError, CorruptScales
+from kvscale_plugin.loadcycle import LayerRecord, Verdict, layer_record
+from kvscale_plugin.notices import refused_reload_message, warn_verdict
+from kvscale_plugin.scales import CorruptScaleError
 
 
 def engine_layers(worker: Any) -> list[torch.nn.Module]:
@@ -94,46 +92,47 @@ def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
     for record in map(_record, layers):
         record.corrupt.clear()
         record.corrupt_q.clear()
-        record.reloaded = record.refused = False
     for cfg in _configs(layers):
+        cfg.cycle.take_verdict()
         cfg.mtp_scales_seen.clear()
+
+
+def report_verdict(cfg: EngineConfig, verdict: Verdict) -> None:
+    """A load cycle's verdict (``loadcycle.Cycle.judge``) in vLLM's terms: its warnings
+    once per engine and cause, and a refused reload raised as ``CorruptScaleError``."""
+    warn_verdict(verdict, cfg.warn_scope, draft_scope=DRAFT_SCOPE)
+    if verdict.unread_q:
+        warn_unread_q_scales(verdict.unread_q, cfg.warn_scope)
+    if verdict.refused:
+        raise CorruptScaleError(refused_reload_message(verdict.refused, "vLLM"))
 
 
 def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
     """After vLLM finished a reload of the target model (``draft=False``) or of the MTP
-    draft: raise ``CorruptScaleError`` when any of its layers refused a scale; else report
-    the layers it gave no scale tensor. Consumes the cycle's records either way."""
+    draft: report the cycle's verdict -- raise ``CorruptScaleError`` when it is refused,
+    else warn about the layers it gave no scale tensor. A layer vLLM's reload gave
+    nothing (its every scale tensor refused, or none sent) never reached its KV method:
+    it is judged here, by the same rule. Consumes the cycle's records either way."""
     reloaded = [layer for layer in layers if _is_draft(layer) == draft]
     # vLLM's layerwise reload restores a layer that loaded nothing (one that reads
     # another layer's cache) without its KV method: it follows its target here.
     resync_sharing_layers(reloaded)
     try:
-        corrupt, unused = CorruptScales(), CorruptScales()
+        configs = _configs(reloaded)
         for layer in reloaded:
-            cfg = kvscale_config(layer)
-            if cfg is not None and sharing_target(layer) is None:
-                served = _uses_checkpoint_scales(layer)
-                (corrupt if served else unused).update(cfg.on_disk(_record(layer).corrupt))
-        if unused:
-            # The cache does not use them (bf16): nothing served changed (loadcycle.decide).
-            cfg = kvscale_config(reloaded[0])
-            warn_unused_corrupt(unused, cfg.warn_scope if cfg is not None else "")
-        if corrupt:
-            raise CorruptScaleError(refused_reload_message(corrupt, "vLLM"))
-        silent = [
-            layer
-            for layer in reloaded
-            if not _record(layer).reloaded
-            and sharing_target(layer) is None
-            and kvscale_config(layer).kv_verdict.supported  # type: ignore[union-attr]
-            and _uses_checkpoint_scales(layer)
-        ]
-        if silent:
-            cfg = kvscale_config(silent[0])
-            assert cfg is not None
-            warn_reload_without_scales(
-                (getattr(layer, "layer_name", "?") for layer in silent), cfg.warn_scope
-            )
+            cfg, record = kvscale_config(layer), _record(layer)
+            if cfg is not None and not record.judged and sharing_target(layer) is None:
+                cfg.cycle.judge(
+                    record,
+                    serves=_uses_checkpoint_scales(layer),
+                    reads_q=reads_q_scale(layer),
+                    expects_scales=False,
+                )
+        for cfg in configs:
+            verdict = cfg.cycle.take_verdict()
+            if not cfg.kv_verdict.supported:
+                verdict.kept_without_scales.clear()  # no scheme: stock's rules, no warning
+            report_verdict(cfg, verdict)
         if not draft:
             _warn_draft_not_reloaded(layers)
     finally:

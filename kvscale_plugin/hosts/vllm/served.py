@@ -15,7 +15,14 @@ from kvscale_plugin.scales import ResolvedScales
 def head_layout(cfg: EngineConfig, layer: torch.nn.Module) -> HeadLayout:
     """Which checkpoint KV heads this tensor-parallel rank serves for ``layer`` (per-head
     schemes), by the rule stock vLLM partitions KV heads with; raises where they cannot be
-    placed (the model could not be built with a per-head scheme)."""
+    placed (the model could not be built with a per-head scheme).
+
+    The model's KV-head count comes from where vLLM sets it: the quantization config's
+    ``total_num_kv_heads`` (vLLM fills it only for a config with ``config_groups``), else
+    the model config vLLM partitions heads by (``ModelConfig.get_total_num_kv_heads``).
+    Local heads x TP size is only the last resort (a layer whose head count differs from
+    the model's): it overcounts KV heads that TP replicates (TP size > KV heads)."""
+    from vllm.config import get_current_vllm_config_or_none
     from vllm.distributed import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
@@ -23,7 +30,11 @@ def head_layout(cfg: EngineConfig, layer: torch.nn.Module) -> HeadLayout:
 
     local = int(layer.num_kv_heads)
     size = get_tensor_model_parallel_world_size()
-    total_kv = cfg.total_num_kv_heads or local * size
+    model = getattr(get_current_vllm_config_or_none(), "model_config", None)
+    counts = (cfg.total_num_kv_heads, model and model.get_total_num_kv_heads())
+    # The model's count, where vLLM's rule (``ModelConfig.get_num_kv_heads``) gives this
+    # layer its heads from it.
+    total_kv = next((n for n in counts if n and max(1, n // size) == local), local * size)
     total_q = cfg.total_num_heads or int(layer.num_heads) * size
     layout = HeadLayout.place(
         total_kv, local, [(get_tensor_model_parallel_rank(), size)], total_q=total_q
