@@ -33,9 +33,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
 
     from kvscale_testing.engines import attention_layers
+    from kvscale_testing.probe import vllm_engine
+    from kvscale_testing.tinymodels import TinySpec, build_tiny_checkpoint
 
-    from kvscale_plugin.demo.probe import vllm_engine
-    from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
     from kvscale_plugin.scheme import FP8_KV_SCHEME
 
     checkpoints = {

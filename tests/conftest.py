@@ -86,9 +86,9 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from kvscale_testing.tinymodels import TinySpec, build_tiny_checkpoint  # noqa: E402
 
 from kvscale_plugin._log import reset_warnings  # noqa: E402
-from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

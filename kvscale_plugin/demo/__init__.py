@@ -9,6 +9,7 @@
 * ``runner`` -- ``kvscale demo`` itself: stock vLLM vs ``--quantization kvscale``.
 
 Nothing here is needed to serve a model: only the CLI imports it, for ``kvscale demo``.
-The test suite and the benchmarks reuse these modules; what only they need lives outside
-the package (``tests/support/kvscale_testing``).
+The test suite and the benchmarks reuse these modules; what only they need (more model
+families and checkpoint shapes, full layer records) lives outside the package
+(``tests/support/kvscale_testing``: ``tinymodels``, ``probe``).
 """

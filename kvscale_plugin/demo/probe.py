@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,26 +29,12 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(
 
 @dataclass(frozen=True)
 class LayerScales:
-    """What one attention layer holds after loading."""
+    """What one attention layer holds after loading (what the demo shows of it)."""
 
     name: str
     k: float  # device tensor (read by kernels)
     v: float
-    k_float: float  # Python floats (read by the CPU backend)
-    v_float: float
-    k_cpu: float  # host copies
-    v_cpu: float
-    kv_cache_dtype: str  # the layer's resolved cache dtype string ("fp8", "bfloat16", ...)
     pool_dtype: torch.dtype | None  # dtype of the allocated KV cache tensor
-    source: str | None  # kvscale's resolution ("checkpoint", "duplicated", ...), None if stock
-    k_ptr: int
-    v_ptr: int
-    # Every value of the device tensors: one per local KV head for per-head layers.
-    k_heads: tuple[float, ...] = ()
-    v_heads: tuple[float, ...] = ()
-    #: Where the layer sits in the model (its scale parameters' parent), where a kvscale
-    #: engine recorded it (``hosts/vllm/scalepaths``); None otherwise.
-    path: str | None = None
 
     @property
     def pool_is_fp8(self) -> bool:
@@ -67,9 +53,13 @@ def vllm_engine(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     load_format: str = "auto",
+    read_layers: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     **extra: Any,
 ) -> Iterator[Any]:
-    """An in-process ``vllm.LLM`` on ``model_dir``, torn down on exit."""
+    """An in-process ``vllm.LLM`` on ``model_dir``, torn down on exit.
+
+    ``read_layers``: what to keep of the layers of an engine that refused to start
+    (``exc.kvscale_loaded_scales``); ``context_layer_scales`` by default."""
     prepare_in_process_env()
     from vllm import LLM
 
@@ -92,7 +82,8 @@ def vllm_engine(
         # caller (``exc.kvscale_loaded_scales``), read before the teardown below.
         if configs:
             context = configs[-1].compilation_config.static_forward_context
-            exc.kvscale_loaded_scales = context_layer_scales(context)  # type: ignore[attr-defined]
+            read = read_layers or context_layer_scales
+            exc.kvscale_loaded_scales = read(context)  # type: ignore[attr-defined]
         # A half-built engine leaves vLLM's distributed state behind: the next MoE engine
         # in this process would then fail ("expert parallel group is not initialized").
         from vllm.distributed import cleanup_dist_env_and_memory
@@ -158,7 +149,7 @@ FP8_CPU_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
 
 
 def layer_scales(llm: Any) -> dict[str, LayerScales]:
-    """Per-layer scales as the engine holds them (device tensor, float, CPU copy)."""
+    """Per-layer scales as the engine holds them."""
     return context_layer_scales(
         llm.llm_engine.vllm_config.compilation_config.static_forward_context
     )
@@ -166,34 +157,25 @@ def layer_scales(llm: Any) -> dict[str, LayerScales]:
 
 def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
     """``layer_scales`` of an engine's static forward context (also one that failed)."""
-    from kvscale_plugin.hosts.vllm.scalepaths import module_path
-    from kvscale_plugin.loadcycle import layer_record
-
     out = {}
     for name, layer in context.items():
         if not hasattr(layer, "_k_scale"):
             continue
-        cache = layer.kv_cache
-        if isinstance(cache, (list, tuple)):
-            cache = cache[0] if cache else None
         out[name] = LayerScales(
             name=name,
             k=float(layer._k_scale.reshape(-1)[0]),
             v=float(layer._v_scale.reshape(-1)[0]),
-            k_float=float(layer._k_scale_float),
-            v_float=float(layer._v_scale_float),
-            k_cpu=float(layer._k_scale_cpu),
-            v_cpu=float(layer._v_scale_cpu),
-            kv_cache_dtype=str(layer.kv_cache_dtype),
-            pool_dtype=getattr(cache, "dtype", None),
-            source=getattr(layer_record(layer), "source", None),
-            k_ptr=layer._k_scale.data_ptr(),
-            v_ptr=layer._v_scale.data_ptr(),
-            k_heads=tuple(float(x) for x in layer._k_scale.reshape(-1).tolist()),
-            v_heads=tuple(float(x) for x in layer._v_scale.reshape(-1).tolist()),
-            path=found[1] if (found := module_path(layer)) is not None else None,
+            pool_dtype=getattr(layer_cache(layer), "dtype", None),
         )
     return out
+
+
+def layer_cache(layer: Any) -> Any:
+    """The layer's KV cache tensor (None before allocation)."""
+    cache = layer.kv_cache
+    if isinstance(cache, (list, tuple)):
+        cache = cache[0] if cache else None
+    return cache
 
 
 def layer_index(name: str) -> int:

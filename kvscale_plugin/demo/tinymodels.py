@@ -6,17 +6,17 @@ by ``boost`` and ``q_proj`` / ``o_proj`` divided by it, so the bf16 outputs are
 unchanged while K/V values reach ~1,000 -- beyond FP8 e4m3's 448. An FP8 cache
 then stays close to the bf16 reference only when the calibrated scales are used.
 
-``TinySpec`` covers every checkpoint shape kvscale loads -- the families in ``FAMILIES``
-and ``MTP_FAMILIES``, the scale namings in ``NAMINGS``, per-head scales, shards -- so
-that a user can build one to try (``build_tiny_checkpoint(dir, TinySpec(...))``); the
-demo's built-in variants use a few Llama ones.
+The demo's variants are small Llamas with per-tensor scales under one of ``NAMINGS``
+(``build_tiny_checkpoint(dir, TinySpec(...))``). The tests build every other checkpoint
+shape kvscale loads (more families, MTP layers, per-head scales, shards) from the steps
+here (tests/support/kvscale_testing/tinymodels.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,14 +43,6 @@ REFERENCE_TEXT = (
 #: Where a checkpoint stores its k/v scales, per naming convention ("{i}" = layer).
 NAMINGS: dict[str, tuple[str, str | None]] = {
     "self_attn": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.v_scale"),
-    "k_proj": (
-        "model.layers.{i}.self_attn.k_proj.k_scale",
-        "model.layers.{i}.self_attn.v_proj.v_scale",
-    ),
-    "qkv_proj": (
-        "model.layers.{i}.self_attn.qkv_proj.k_scale",
-        "model.layers.{i}.self_attn.qkv_proj.v_scale",
-    ),
     "output_scale": (
         "model.layers.{i}.self_attn.k_proj.output_scale",
         "model.layers.{i}.self_attn.v_proj.output_scale",
@@ -58,45 +50,19 @@ NAMINGS: dict[str, tuple[str, str | None]] = {
     "kv_scale": ("model.layers.{i}.self_attn.kv_scale", None),
 }
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-#: Families whose checkpoints carry multi-token-prediction (MTP) layers after the main
-#: stack (``TinySpec.num_mtp_layers``), named as the real ones name them: MiMo
-#: ``model.mtp_layers.N.``, GLM-4-MoE ``model.layers.{num_layers + N}.``, Qwen3-Next and
-#: Qwen3.5 ``mtp.layers.N.``. vLLM serves them as speculative-decoding drafts.
-MTP_FAMILIES = ("mimo", "glm4_moe", "qwen3_next", "qwen3_5")
-
 
 @dataclass
 class TinySpec:
-    """What to build. ``scales`` maps layer index -> (k, v); None means calibrate.
+    """What to build: a Llama of ``num_layers`` layers, its calibrated per-layer scales
+    stored under ``naming`` (a ``NAMINGS`` key) unless ``write_scales`` is off, and a
+    compressed-tensors config declaring ``kv_cache_scheme``."""
 
-    ``per_head``: store one k/v scale per KV head (``[num_kv_heads, 1, 1]``, what
-    llm-compressor writes for ``strategy: attn_head``); ``scales`` then holds
-    per-head sequences. ``head_boost`` multiplies each KV head's K/V by its own
-    extra factor (compensated in q/o like ``boost``) so heads need distinct scales.
-    """
-
-    family: str = "llama"
     num_layers: int = 2
     seed: int = 0
     boost: float = 1000.0
     kv_cache_scheme: Mapping[str, Any] | None = field(default_factory=lambda: dict(FP8_KV_SCHEME))
-    # One NAMINGS key for every layer, or one per layer (cycled) to mix conventions.
-    naming: str | Sequence[str] = "self_attn"
+    naming: str = "self_attn"
     write_scales: bool = True
-    scales: Mapping[int, tuple[float, float]] | None = None
-    extra_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    num_shards: int = 1
-    # Write a compressed-tensors quantization_config (with or without a kv_cache_scheme).
-    quantization_config: bool = True
-    per_head: bool = False
-    head_boost: Sequence[float] | None = None
-    num_kv_heads: int = 2
-    # MTP layers appended after the main stack (``MTP_FAMILIES`` only); ``mtp_scales``
-    # maps MTP layer -> (k, v), None: calibrated as if they were further stack layers.
-    num_mtp_layers: int = 0
-    mtp_scales: Mapping[int, tuple[float, float]] | None = None
-    write_mtp_scales: bool = True
 
 
 def _tokenizer_files(cache_dir: Path) -> Path:
@@ -135,17 +101,15 @@ def _tokenizer_files(cache_dir: Path) -> Path:
     return tok_dir
 
 
-def _hf_config(spec: TinySpec, vocab_size: int) -> Any:
-    import transformers
-
-    total = spec.num_layers + spec.num_mtp_layers  # MTP layers are built as stack layers
-    common: dict[str, Any] = dict(
+def _config_kwargs(num_layers: int, vocab_size: int, num_kv_heads: int = 2) -> dict[str, Any]:
+    """What every tiny model's transformers config shares."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=total,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=spec.num_kv_heads,
+        num_key_value_heads=num_kv_heads,
         head_dim=64,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
@@ -153,61 +117,6 @@ def _hf_config(spec: TinySpec, vocab_size: int) -> Any:
         eos_token_id=1,
         rms_norm_eps=1e-6,
     )
-    if spec.family == "llama":
-        return transformers.LlamaConfig(**common)
-    if spec.family == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if spec.family == "qwen3":
-        return transformers.Qwen3Config(**common)
-    if spec.family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=128,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-    if spec.family == "mixtral":
-        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
-    if spec.family == "mimo":  # MiMo's own config class is Qwen2's plus the MTP count
-        return transformers.Qwen2Config(**common)
-    if spec.family == "glm4_moe":
-        return transformers.Glm4MoeConfig(
-            **common,
-            partial_rotary_factor=0.5,
-            moe_intermediate_size=128,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            use_qk_norm=False,
-        )
-    if spec.family in ("qwen3_next", "qwen3_5"):
-        # Hybrid stacks: linear-attention (Gated DeltaNet) layers, the last main layer and
-        # the MTP layers full attention. vLLM's CPU Gated DeltaNet wants head size 128.
-        hybrid: dict[str, Any] = dict(
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            layer_types=["linear_attention"] * (spec.num_layers - 1)
-            + ["full_attention"] * (1 + spec.num_mtp_layers),
-        )
-        if spec.family == "qwen3_5":
-            return transformers.Qwen3_5TextConfig(**common, **hybrid)
-        return transformers.Qwen3NextConfig(
-            **common,
-            **hybrid,
-            moe_intermediate_size=128,
-            shared_expert_intermediate_size=128,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
-    known = ", ".join((*FAMILIES, *MTP_FAMILIES))
-    raise ValueError(f"unknown family {spec.family!r}; choose one of {known}")
 
 
 def build_tiny_checkpoint(
@@ -218,24 +127,53 @@ def build_tiny_checkpoint(
 ) -> Path:
     """Write a tiny compressed-tensors checkpoint to ``out_dir`` and return its path.
 
-    Also writes ``kvscale_tiny.json``: the scales that were stored (per layer and per MTP
-    layer) and the calibrated ones, to compare what an engine loaded against; the demo
-    takes its presence as "this checkpoint is built".
+    Also writes ``kvscale_tiny.json``: the scales that were stored (per layer) and the
+    calibrated ones, to compare what an engine loaded against; the demo takes its
+    presence as "this checkpoint is built".
     """
     import transformers
-    from safetensors.torch import save_file
 
     spec = spec or TinySpec()
-    if spec.num_mtp_layers and spec.family not in MTP_FAMILIES:
-        raise ValueError(f"MTP layers need one of the families {', '.join(MTP_FAMILIES)}")
+    out, tok_dir, tokenizer = _start(out_dir, cache_dir)
+    config = transformers.LlamaConfig(**_config_kwargs(spec.num_layers, len(tokenizer)))
+    model = _boosted_model(config, spec.seed, spec.boost)
+    scales = {i: (max(k), max(v)) for i, (k, v) in _calibrate(model, tokenizer).items()}
+    sd = _state_dict(model)
+    stored: dict[int, dict[str, float]] = {}
+    if spec.kv_cache_scheme is not None and spec.write_scales:
+        for i in range(spec.num_layers):
+            stored[i] = _put_scales(sd, NAMINGS[spec.naming], f"model.layers.{i}.", scales[i])
+    _save(out, sd)
+    cfg = _config_dict(config, model)
+    cfg["quantization_config"] = _quantization_config(spec.kv_cache_scheme)
+    record = {
+        "naming": spec.naming,
+        "family": "llama",
+        "stored_scales": stored,
+        "stored_mtp_scales": {},
+        "calibrated_scales": {i: list(s) for i, s in scales.items()},
+    }
+    return _finish(out, cfg, tok_dir, record)
+
+
+def _start(
+    out_dir: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None
+) -> tuple[Path, Path, Any]:
+    """The output folder (created), the cached tokenizer's folder, the tokenizer."""
+    import transformers
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cache = Path(cache_dir) if cache_dir else out.parent
-    tok_dir = _tokenizer_files(cache)
+    tok_dir = _tokenizer_files(Path(cache_dir) if cache_dir else out.parent)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    return out, tok_dir, tokenizer
 
-    config = _hf_config(spec, vocab_size=len(tokenizer))
-    torch.manual_seed(spec.seed)
+
+def _boosted_model(config: Any, seed: int, boost: float) -> Any:
+    """The randomly initialised model, its K/V boosted by ``boost`` (compensated in q/o)."""
+    import transformers
+
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
@@ -244,222 +182,80 @@ def build_tiny_checkpoint(
             attn = getattr(layer, "self_attn", None)
             if attn is None:
                 continue  # a linear-attention layer: no KV cache
-            attn.k_proj.weight.mul_(spec.boost)
-            attn.v_proj.weight.mul_(spec.boost)
-            attn.q_proj.weight.div_(spec.boost)
-            attn.o_proj.weight.div_(spec.boost)
+            attn.k_proj.weight.mul_(boost)
+            attn.v_proj.weight.mul_(boost)
+            attn.q_proj.weight.div_(boost)
+            attn.o_proj.weight.div_(boost)
             for proj in (attn.k_proj, attn.v_proj, attn.q_proj):
                 if getattr(proj, "bias", None) is not None:
-                    scale = spec.boost if proj is not attn.q_proj else 1.0 / spec.boost
+                    scale = boost if proj is not attn.q_proj else 1.0 / boost
                     proj.bias.mul_(scale)
-            if spec.head_boost is not None:
-                _boost_heads(attn, config, spec.head_boost)
+    return model
 
-    scales = (
-        dict(spec.scales)
-        if spec.scales is not None
-        else _calibrate(model, tokenizer, per_head=spec.per_head)
-    )
-    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    if spec.family in ("glm4_moe", "qwen3_next"):
-        sd = _per_expert(sd)  # how their checkpoints store experts (and vLLM's MTP loaders)
-    if spec.num_mtp_layers:
-        sd = _mtp_layout(spec, sd, hidden=config.hidden_size)
-    attention = {i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn")}
-    namings = [spec.naming] if isinstance(spec.naming, str) else list(spec.naming)
-    stored: dict[int, dict[str, float]] = {}
-    stored_mtp: dict[int, dict[str, float]] = {}
-    if spec.kv_cache_scheme is not None and spec.write_scales:
-        for i in sorted(attention & set(range(spec.num_layers))):
-            stored[i] = _put_scales(
-                sd, NAMINGS[namings[i % len(namings)]], f"model.layers.{i}.", scales[i], spec
-            )
-    if spec.kv_cache_scheme is not None and spec.write_mtp_scales:
-        for m in range(spec.num_mtp_layers):
-            index = spec.num_layers + m
-            pair = spec.mtp_scales[m] if spec.mtp_scales is not None else scales[index]
-            naming = NAMINGS[namings[index % len(namings)]]
-            stored_mtp[m] = _put_scales(sd, naming, _mtp_prefix(spec, m), pair, spec)
-    for name, tensor in spec.extra_tensors.items():
-        sd[name] = tensor
-    _save_shards(out, sd, spec.num_shards, save_file)
 
-    cfg = config.to_dict()
-    cfg["torch_dtype"] = "bfloat16"
-    cfg["architectures"] = [type(model).__name__]
-    if spec.num_mtp_layers:
-        # The stack as the checkpoint declares it: the MTP layers are counted apart.
-        cfg["num_hidden_layers"] = spec.num_layers
-        for key in ("layer_types", "mlp_layer_types"):
-            if isinstance(cfg.get(key), list):
-                cfg[key] = cfg[key][: spec.num_layers]
-        count = "mtp_num_hidden_layers" if spec.family == "qwen3_5" else "num_nextn_predict_layers"
-        cfg[count] = spec.num_mtp_layers
-        if spec.family == "mimo":
-            cfg["architectures"] = ["MiMoForCausalLM"]
-    if spec.quantization_config:
-        cfg["quantization_config"] = {
-            "config_groups": {},
-            "format": "dense",
-            "global_compression_ratio": None,
-            "ignore": [],
-            "kv_cache_scheme": (
-                dict(spec.kv_cache_scheme) if spec.kv_cache_scheme is not None else None
-            ),
-            "quant_method": "compressed-tensors",
-            "quantization_status": "compressed",
-        }
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    for f in tok_dir.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    (out / "kvscale_tiny.json").write_text(
-        json.dumps(
-            {
-                "naming": spec.naming,
-                "family": spec.family,
-                "stored_scales": stored,
-                "stored_mtp_scales": stored_mtp,
-                "calibrated_scales": {i: list(s) for i, s in scales.items()},
-            },
-            indent=2,
-        )
-    )
-    return out
+def _state_dict(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
 
 
 def _put_scales(
     sd: dict[str, torch.Tensor],
     naming: tuple[str, str | None],
     prefix: str,
-    pair: tuple[Any, Any],
-    spec: TinySpec,
-) -> dict[str, Any]:
-    """Store one layer's k/v scales under ``naming`` (a ``NAMINGS`` entry) with its
-    ``model.layers.{i}.`` replaced by ``prefix``; return what was stored."""
+    pair: tuple[float, float],
+) -> dict[str, float]:
+    """Store one layer's per-tensor k/v scales under ``naming`` (a ``NAMINGS`` entry)
+    with its ``model.layers.{i}.`` replaced by ``prefix``; return what was stored."""
     k_pat, v_pat = (
         pat.replace("model.layers.{i}.", prefix) if pat is not None else None for pat in naming
     )
     k, v = pair
     if v_pat is None:  # legacy single scale: the larger one covers both
-        kv: Any = [max(a, b) for a, b in zip(k, v, strict=True)] if spec.per_head else max(k, v)
-        sd[k_pat] = _scale_tensor(kv, spec.per_head)
+        kv = max(k, v)
+        sd[k_pat] = torch.tensor([kv], dtype=torch.float32)
         return {"k": kv, "v": kv}
-    sd[k_pat] = _scale_tensor(k, spec.per_head)
-    sd[v_pat] = _scale_tensor(v, spec.per_head)
+    sd[k_pat] = torch.tensor([k], dtype=torch.float32)
+    sd[v_pat] = torch.tensor([v], dtype=torch.float32)
     return {"k": k, "v": v}
 
 
-def _mtp_prefix(spec: TinySpec, m: int) -> str:
-    """Checkpoint prefix of MTP layer ``m`` in ``spec.family``'s convention."""
-    if spec.family == "mimo":
-        return f"model.mtp_layers.{m}."
-    if spec.family == "glm4_moe":
-        return f"model.layers.{spec.num_layers + m}."
-    return f"mtp.layers.{m}."  # qwen3_next, qwen3_5
+def _config_dict(config: Any, model: Any) -> dict[str, Any]:
+    cfg = config.to_dict()
+    cfg["torch_dtype"] = "bfloat16"
+    cfg["architectures"] = [type(model).__name__]
+    return cfg
 
 
-def _mtp_layout(
-    spec: TinySpec, sd: dict[str, torch.Tensor], hidden: int
-) -> dict[str, torch.Tensor]:
-    """Rename the appended stack layers into the family's MTP layers and add the MTP
-    modules around them (norms: copies of the final norm; projections: small random)."""
-    norm = sd["model.norm.weight"]
+def _quantization_config(kv_cache_scheme: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A compressed-tensors ``quantization_config`` (with or without a kv_cache_scheme)."""
+    return {
+        "config_groups": {},
+        "format": "dense",
+        "global_compression_ratio": None,
+        "ignore": [],
+        "kv_cache_scheme": dict(kv_cache_scheme) if kv_cache_scheme is not None else None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
 
-    def proj() -> torch.Tensor:
-        return (torch.randn(hidden, 2 * hidden) * 0.02).to(torch.bfloat16)
 
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in sd.items():
-        for m in range(spec.num_mtp_layers):
-            stack = f"model.layers.{spec.num_layers + m}."
-            if name.startswith(stack):
-                name = _mtp_prefix(spec, m) + name[len(stack) :]
-                break
-        out[name] = tensor
-    for m in range(spec.num_mtp_layers):
-        prefix = _mtp_prefix(spec, m)
-        if spec.family == "mimo":
-            for piece in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
-                out[f"{prefix}{piece}.weight"] = norm.clone()
-            out[f"{prefix}input_proj.weight"] = proj()
-        elif spec.family == "glm4_moe":
-            for piece in ("enorm", "hnorm", "shared_head.norm"):
-                out[f"{prefix}{piece}.weight"] = norm.clone()
-            out[f"{prefix}eh_proj.weight"] = proj()
-    if spec.family in ("qwen3_next", "qwen3_5"):
-        for piece in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-            out[f"mtp.{piece}.weight"] = norm.clone()
-        out["mtp.fc.weight"] = proj()
+def _finish(out: Path, cfg: dict[str, Any], tok_dir: Path, record: dict[str, Any]) -> Path:
+    """Write ``config.json``, the tokenizer's files and ``kvscale_tiny.json``."""
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    for f in tok_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    (out / "kvscale_tiny.json").write_text(json.dumps(record, indent=2))
     return out
 
 
-def _per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2I, H],
-    ``mlp.experts.down_proj`` [E, H, I]) as per-expert ``mlp.experts.{e}.*.weight``."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in sd.items():
-        if name.endswith(".experts.gate_up_proj"):
-            base, inter = name[: -len("gate_up_proj")], tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = tensor[e, :inter].contiguous()
-                out[f"{base}{e}.up_proj.weight"] = tensor[e, inter:].contiguous()
-        elif name.endswith(".experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = tensor[e].contiguous()
-        else:
-            out[name] = tensor
-    return out
+def _save(out: Path, sd: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _scale_tensor(value: Any, per_head: bool) -> torch.Tensor:
-    # llm-compressor's layouts: [1] per tensor, [num_kv_heads, 1, 1] per head.
-    if per_head:
-        return torch.tensor(list(value), dtype=torch.float32).reshape(-1, 1, 1)
-    return torch.tensor([value], dtype=torch.float32)
-
-
-def _boost_heads(attn: Any, config: Any, head_boost: Sequence[float]) -> None:
-    """Scale KV head h's K and V by head_boost[h]; undo it in the query heads of its
-    group (for K) and in o_proj's input columns for those heads (for V)."""
-    n_kv, n_q, hd = config.num_key_value_heads, config.num_attention_heads, config.head_dim
-    group = n_q // n_kv
-    for h, factor in enumerate(head_boost):
-        kv_rows = slice(h * hd, (h + 1) * hd)
-        q_rows = slice(h * group * hd, (h + 1) * group * hd)
-        attn.k_proj.weight[kv_rows].mul_(factor)
-        attn.v_proj.weight[kv_rows].mul_(factor)
-        attn.q_proj.weight[q_rows].div_(factor)
-        attn.o_proj.weight[:, q_rows].div_(factor)
-        for proj, rows, f in (
-            (attn.k_proj, kv_rows, factor),
-            (attn.v_proj, kv_rows, factor),
-            (attn.q_proj, q_rows, 1.0 / factor),
-        ):
-            if getattr(proj, "bias", None) is not None:
-                proj.bias[rows].mul_(f)
-
-
-def _save_shards(out: Path, sd: dict[str, torch.Tensor], num_shards: int, save_file: Any) -> None:
-    names = list(sd)
-    if num_shards <= 1:
-        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map: dict[str, str] = {}
-    per = -(-len(names) // num_shards)
-    for s in range(num_shards):
-        fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: sd[n] for n in names[s * per : (s + 1) * per]}
-        save_file(part, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, fname))
-    total = sum(t.numel() * t.element_size() for t in sd.values())
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
-
-
-def _calibrate(model: Any, tokenizer: Any, *, per_head: bool = False) -> dict[int, tuple[Any, Any]]:
-    """Per-layer (or per-KV-head) amax/448 of K (after RoPE) and V over the corpus."""
+def _calibrate(model: Any, tokenizer: Any) -> dict[int, tuple[list[float], list[float]]]:
+    """Per-KV-head amax/448 of K (after RoPE) and V over the corpus, per attention layer
+    (a per-tensor scale is the max over the heads)."""
     n_kv = model.config.num_key_value_heads
     amax: dict[int, list[torch.Tensor]] = {}
     hooks = []
@@ -486,8 +282,7 @@ def _calibrate(model: Any, tokenizer: Any, *, per_head: bool = False) -> dict[in
         h.remove()
 
     # RoPE rotates pairs of K elements: allow sqrt(2) headroom on K.
-    def scale(t: torch.Tensor, headroom: float) -> Any:
-        values = [round(float(x) * headroom / 448.0, 6) for x in t]
-        return values if per_head else max(values)
+    def scale(t: torch.Tensor, headroom: float) -> list[float]:
+        return [round(float(x) * headroom / 448.0, 6) for x in t]
 
     return {i: (scale(k, 1.4142), scale(v, 1.0)) for i, (k, v) in amax.items()}

@@ -122,9 +122,9 @@ class _Collect(logging.Handler):
 def run(args: dict[str, Any], collect: _Collect) -> dict[str, Any]:
     from kvscale_testing.checkpoints import reference_token_ids
     from kvscale_testing.patches import patched_places
+    from kvscale_testing.probe import teacher_forced_logprobs, vllm_engine
 
     from kvscale_plugin._log import reset_warnings
-    from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
 
     collect.messages = []
     reset_warnings()  # each run hears its own once-per-cause warnings

@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 from kvscale_testing.checkpoints import read_stored_scales
 from kvscale_testing.engines import cpu_runs_fp8_cache, reload_weights
-from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8, needs_fp8_cpu_cache
-
-from kvscale_plugin.demo.probe import (
+from kvscale_testing.probe import (
     FP8_CPU_REFUSAL,
     layer_index,
     layer_scales,
     vllm_engine,
 )
+from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8, needs_fp8_cpu_cache
+
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.scales import CorruptScaleError
 from kvscale_plugin.scheme import FP8_KV_SCHEME

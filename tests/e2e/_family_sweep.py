@@ -28,8 +28,7 @@ from kvscale_testing.families import (
     layer_rows,
     stored_scales,
 )
-
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, LayerScales, layer_scales, vllm_engine
+from kvscale_testing.probe import FP8_CPU_REFUSAL, LayerScales, layer_scales, vllm_engine
 
 
 def served(ckpt: Path, quantization: str | None) -> dict[str, LayerScales] | str:

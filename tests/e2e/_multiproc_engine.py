@@ -15,9 +15,8 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     from kvscale_testing.engines import model_kv_head_scales, model_kv_scales
     from kvscale_testing.patches import patched_places_of
+    from kvscale_testing.probe import ENGINE_DEFAULTS
     from vllm import LLM, SamplingParams
-
-    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
     model_dir, ids = sys.argv[1], json.loads(sys.argv[2])
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1

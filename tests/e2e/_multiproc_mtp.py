@@ -19,9 +19,8 @@ if __name__ == "__main__":
     # processes inherit this sys.path, so they can unpickle the collective_rpc target.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     from kvscale_testing.engines import worker_kv_head_scales
+    from kvscale_testing.probe import ENGINE_DEFAULTS
     from vllm import LLM, SamplingParams
-
-    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
     llm = LLM(
         model=sys.argv[1],

@@ -23,9 +23,8 @@ if __name__ == "__main__":
     # processes inherit this sys.path, so they can unpickle the apply_model target.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     from kvscale_testing.engines import model_kv_scales
+    from kvscale_testing.probe import ENGINE_DEFAULTS
     from vllm import LLM, SamplingParams
-
-    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
     model_dir, ids, mode, size = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     parallel = {"pipeline_parallel_size": size} if mode == "pp" else {"data_parallel_size": size}

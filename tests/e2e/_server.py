@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvscale_testing.probe import KV_CACHE_BYTES
+
 # The port and the wait until ready are shared with benchmarks/serving.py; ``free_port``
 # stays importable from here.
 from kvscale_testing.server import ServerExited, free_port, wait_until_serving
-
-from kvscale_plugin.demo.probe import KV_CACHE_BYTES
 
 #: What a process that lost a port race logs: Python's ``OSError`` (EADDRINUSE, "[Errno
 #: 98] Address already in use"), torch's TCPStore and ZMQ say it in the same words.

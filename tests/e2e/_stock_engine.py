@@ -23,9 +23,8 @@ if __name__ == "__main__":
 
     logging.getLogger("kvscale_plugin").addHandler(_Keep(logging.DEBUG))
     from kvscale_testing.patches import patched_places, patched_places_of
+    from kvscale_testing.probe import ENGINE_DEFAULTS
     from vllm import LLM, SamplingParams
-
-    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
 
     # The test's cache (kvscale_testing.skips.KV_DTYPE): bf16 on a CPU without AVX-512 /
     # AMX, where vLLM refuses the FP8 cache the compressed-tensors scheme asks for.

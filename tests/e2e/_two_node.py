@@ -26,7 +26,7 @@ SIZES = {
 
 
 def _engine_kwargs(parallel: str, quant: str, kv_dtype: str) -> dict:
-    from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
+    from kvscale_testing.probe import ENGINE_DEFAULTS
 
     kwargs = dict(ENGINE_DEFAULTS, kv_cache_dtype=kv_dtype, **{SIZES[parallel][1]: 2})
     if quant == "kvscale":

@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales
+from kvscale_testing.probe import FP8_CPU_REFUSAL, layer_index, layer_scales, vllm_engine
 from kvscale_testing.skips import CPU_FP8, KV_DTYPE, follows_cpu_fp8
 
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, layer_index, layer_scales, vllm_engine
 from kvscale_plugin.hosts.vllm import method
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 from kvscale_testing.engines import cpu_runs_fp8_cache
+from kvscale_testing.probe import FP8_CPU_REFUSAL
 from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
-
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL
 
 pytestmark = pytest.mark.engine
 

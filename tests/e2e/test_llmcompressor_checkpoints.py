@@ -28,9 +28,7 @@ from kvscale_testing.llmcompressor import (
     llmcompressor_checkpoints,
     quantization_config,
 )
-from kvscale_testing.skips import needs_fp8_cpu_cache
-
-from kvscale_plugin.demo.probe import (
+from kvscale_testing.probe import (
     FP8_CPU_REFUSAL,
     LayerScales,
     layer_index,
@@ -39,6 +37,8 @@ from kvscale_plugin.demo.probe import (
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_testing.skips import needs_fp8_cpu_cache
+
 from kvscale_plugin.fp8 import PLAUSIBLE_SCALE_MAX, PLAUSIBLE_SCALE_MIN
 from kvscale_plugin.inspection import run_inspect
 from kvscale_plugin.scheme import FP8_KV_SCHEME

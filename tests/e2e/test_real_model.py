@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvscale_testing.probe import layer_index, layer_scales, vllm_engine
 from kvscale_testing.skips import needs_fp8_cpu_cache
 
 from kvscale_plugin import calibration as cal
-from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
 from kvscale_plugin.demo.quality import compare, heldout_token_ids, teacher_forced
 from kvscale_plugin.demo.realmodel import smollm2_checkpoint
 from kvscale_plugin.inspection import inspect_checkpoint

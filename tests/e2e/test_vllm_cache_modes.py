@@ -7,9 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from kvscale_testing.probe import layer_scales, vllm_engine
 from kvscale_testing.skips import needs_fp8_cpu_cache
 
-from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.scheme import FP8_KV_SCHEME, judge_kv_cache_scheme
 
 pytestmark = pytest.mark.engine

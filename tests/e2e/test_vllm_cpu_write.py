@@ -24,19 +24,19 @@ from typing import Any
 
 import pytest
 import torch
+from kvscale_testing import tinymodels
 from kvscale_testing.checkpoints import reference_token_ids
 from kvscale_testing.cpu_cache import contract
 from kvscale_testing.cpu_cache import expected_vec_cache as expected_cache
 from kvscale_testing.engines import attention_layers
-from kvscale_testing.skips import needs_fp8_cpu_cache
-
-from kvscale_plugin.demo import tinymodels
-from kvscale_plugin.demo.probe import (
+from kvscale_testing.probe import (
     logprob_error,
     teacher_forced_logprobs,
 )
-from kvscale_plugin.demo.probe import vllm_engine as probe_engine
-from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
+from kvscale_testing.probe import vllm_engine as probe_engine
+from kvscale_testing.skips import needs_fp8_cpu_cache
+from kvscale_testing.tinymodels import TinySpec, build_tiny_checkpoint
+
 from kvscale_plugin.hosts.vllm import cpu_write as vllm_cpu_write
 
 pytestmark = pytest.mark.engine

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvscale_testing.probe import FP8_CPU_REFUSAL, layer_index, layer_scales, vllm_engine
 
-from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL, layer_index, layer_scales, vllm_engine
 from kvscale_plugin.names import map_scale_name
 
 pytestmark = [pytest.mark.engine, pytest.mark.follows_cpu_fp8]

@@ -27,9 +27,9 @@ from _run_script import run_script
 from _weight_transfer import FileTransfer, in_process_worker
 from kvscale_testing.checkpoints import read_stored_mtp_scales, read_stored_scales
 from kvscale_testing.engines import reload_weights
+from kvscale_testing.probe import layer_scales, vllm_engine
 from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
 
-from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
 from kvscale_plugin.scheme import FP8_KV_SCHEME
 

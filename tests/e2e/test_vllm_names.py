@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales
+from kvscale_testing.probe import layer_index, layer_scales, vllm_engine
 from kvscale_testing.skips import needs_fp8_cpu_cache
-
-from kvscale_plugin.demo.probe import layer_index, layer_scales, vllm_engine
 
 pytestmark = pytest.mark.engine
 

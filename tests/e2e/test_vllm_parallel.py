@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 from _run_script import run_script
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
-from kvscale_testing.skips import needs_fp8_cpu_cache
-
-from kvscale_plugin.demo.probe import (
+from kvscale_testing.probe import (
     layer_index,
     logprob_error,
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_testing.skips import needs_fp8_cpu_cache
 
 pytestmark = pytest.mark.engine
 

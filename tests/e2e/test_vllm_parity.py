@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 from kvscale_testing.engines import attention_layers
+from kvscale_testing.probe import layer_scales, vllm_engine
 from kvscale_testing.skips import needs_fp8_cpu_cache
 
-from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.hosts.vllm import parity as vllm_parity
 
 pytestmark = pytest.mark.engine

@@ -14,15 +14,15 @@ import pytest
 from _run_script import run_script
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import attention_layers, reload_weights
-from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
-
-from kvscale_plugin.demo.probe import (
+from kvscale_testing.probe import (
     layer_index,
     layer_scales,
     logprob_error,
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
+
 from kvscale_plugin.scales import CorruptScaleError
 from kvscale_plugin.scheme import FP8_KV_SCHEME
 

@@ -14,9 +14,9 @@ import pytest
 from _run_script import run_script
 from _server import openai_server
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
+from kvscale_testing.probe import layer_index, vllm_engine
 from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8, needs_avx512_cpu_for_tp
 
-from kvscale_plugin.demo.probe import layer_index, vllm_engine
 from kvscale_plugin.hosts.vllm import internals
 
 pytestmark = pytest.mark.engine

@@ -28,14 +28,14 @@ import pytest
 import torch
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
 from kvscale_testing.engines import reload_weights, vec_layout_dtype
-from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
-
-from kvscale_plugin.demo.probe import (
+from kvscale_testing.probe import (
     layer_index,
     layer_scales,
     teacher_forced_logprobs,
     vllm_engine,
 )
+from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
+
 from kvscale_plugin.inspection import run_inspect as _run_inspect
 from kvscale_plugin.scheme import FP8_KV_SCHEME
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 from _weight_transfer import FileTransfer, in_process_worker
 from kvscale_testing.engines import reload_weights
+from kvscale_testing.probe import layer_scales, vllm_engine
 from kvscale_testing.skips import needs_fp8_cpu_cache
 
-from kvscale_plugin.demo.probe import layer_scales, vllm_engine
 from kvscale_plugin.scales import CorruptScaleError
 
 pytestmark = pytest.mark.engine

@@ -43,9 +43,8 @@ from typing import Any
 import pytest
 from _server import Server, openai_server
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
+from kvscale_testing.probe import layer_index
 from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8
-
-from kvscale_plugin.demo.probe import layer_index
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

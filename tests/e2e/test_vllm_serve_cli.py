@@ -32,8 +32,7 @@ from _server import (
     free_port,
 )
 from kvscale_testing.checkpoints import reference_token_ids
-
-from kvscale_plugin.demo.probe import vllm_engine
+from kvscale_testing.probe import vllm_engine
 
 VLLM = Path(sys.executable).parent / "vllm"
 BF16 = ["--kv-cache-dtype", "bfloat16"]

@@ -25,9 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from _server import openai_server
 from kvscale_testing.checkpoints import reference_token_ids
+from kvscale_testing.probe import teacher_forced_logprobs, vllm_engine
 from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8
-
-from kvscale_plugin.demo.probe import teacher_forced_logprobs, vllm_engine
 
 pytestmark = pytest.mark.engine
 

@@ -15,6 +15,12 @@ import pytest
 from _run_script import run_script
 from kvscale_testing.checkpoints import reference_token_ids
 from kvscale_testing.engines import reload_weights, vec_layout_dtype
+from kvscale_testing.probe import (
+    layer_scales,
+    logprob_error,
+    teacher_forced_logprobs,
+    vllm_engine,
+)
 from kvscale_testing.shared_kv import (
     ASSISTANT_SHARING,
     SHARING,
@@ -27,13 +33,6 @@ from kvscale_testing.skips import (
     follows_cpu_fp8,
     needs_avx512_cpu_for_tp,
     needs_fp8_cpu_cache,
-)
-
-from kvscale_plugin.demo.probe import (
-    layer_scales,
-    logprob_error,
-    teacher_forced_logprobs,
-    vllm_engine,
 )
 
 pytestmark = pytest.mark.engine

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from _server import PORT_ATTEMPTS, free_port, lost_port_race
 from kvscale_testing.checkpoints import read_stored_scales, reference_token_ids
+from kvscale_testing.probe import layer_index
 from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8, needs_avx512_cpu_for_tp
+from kvscale_testing.tinymodels import TinySpec, build_tiny_checkpoint
 
-from kvscale_plugin.demo.probe import layer_index
-from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
 from kvscale_plugin.hosts.vllm.deployment import ENV_TIMEOUT
 
 pytestmark = pytest.mark.engine

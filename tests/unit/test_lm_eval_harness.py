@@ -144,7 +144,7 @@ def test_report_prints_refusals_and_pairs():
 
 
 def test_refusal_reason_prefers_vllm_fp8_refusal():
-    from kvscale_plugin.demo.probe import FP8_CPU_REFUSAL
+    from kvscale_testing.probe import FP8_CPU_REFUSAL
 
     log = f"INFO start\nValueError: {FP8_CPU_REFUSAL} (this CPU has AVX2)\nRuntimeError: x\n"
     assert harness.refusal_reason(log).startswith(FP8_CPU_REFUSAL)

@@ -1,6 +1,6 @@
 """Look inside a running vLLM engine (tests and benchmarks only).
 
-The engine itself comes from ``kvscale_plugin.demo.probe.vllm_engine`` (what ``kvscale
+The engine itself comes from ``kvscale_testing.probe.vllm_engine`` (what ``kvscale
 demo`` runs); the functions here read or drive what only tests need. The ``apply_model``
 / ``collective_rpc`` targets are pickled by reference: a worker process imports this
 module, so it must find ``tests/support`` on its ``sys.path`` (inherited from the

@@ -227,7 +227,7 @@ def build_family_checkpoint(out: Path, family: Family) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     if family.per_expert:
-        from kvscale_plugin.demo.tinymodels import _per_expert
+        from kvscale_testing.tinymodels import _per_expert
 
         sd = _per_expert(sd)
     if config.tie_word_embeddings:
