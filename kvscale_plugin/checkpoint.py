@@ -252,11 +252,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Ten
     the file (``safe_open``: what the engines' loaders accept); weight bytes are not
     read. Raises ``CheckpointError`` naming the file for anything the library refuses.
     """
-    return _read_header(Path(path))
-
-
-def _read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
-    """``read_safetensors_header``."""
+    path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -422,7 +418,7 @@ def open_checkpoint(
     per_file: dict[Path, int] = {}
     bytes_read = 0
     for path in files:
-        found, nread = _read_header(path)
+        found, nread = read_safetensors_header(path)
         bytes_read += nread
         per_file[path] = len(found)
         for name, info in found.items():
