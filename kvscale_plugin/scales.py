@@ -1,4 +1,4 @@
-"""Checkpoint-first KV scale resolution (imports no host, and no torch: takes torch tensors).
+"""Checkpoint-first KV scale resolution (imports no host, nor torch: callers hand in tensors).
 
 One path, no runtime estimation: whatever the checkpoint loaded decides the
 layer's scales. "Not loaded" is ``None``, never a magic number, so no real

@@ -4,7 +4,7 @@ compressed-tensors' own ``QuantizationArgs`` decides what a scheme means: its de
 and validation are the library's, not ours. Importing it costs seconds (torch,
 transformers), so a scheme made only of the fields and values llm-compressor writes is
 read here in plain Python (``_plain_args``: what ``QuantizationArgs`` makes of exactly
-those inputs; ``tests/unit/test_scheme_parity.py`` checks it against the library on the
+those inputs; ``tests/unit/test_fuzz_core.py`` checks it against the library on the
 fuzzed scheme corpus); anything else goes to the library. A scheme is
 *supported* when it is static, symmetric, 8-bit float, with one calibrated
 scale per layer (``strategy: tensor``) or per KV head (``strategy: attn_head``,
