@@ -127,7 +127,9 @@ def _inspect(
         attn_layers=cfg.attention_layers(tc, n),
         kv_heads=kv_heads,
         q_heads=q_heads,
-        architecture=archs[0] if isinstance(archs, list) and archs else None,
+        architecture=archs[0]
+        if isinstance(archs, list) and archs and isinstance(archs[0], str)
+        else None,
         vllm_release=version.split("+")[0] if host == "vllm" and version else None,
     )
     qc = cfg.quant_config(config)

@@ -618,3 +618,15 @@ def test_same_output_as_the_torch_path(tmp_path: Path, strategy: str, host: str)
         got = _run(root, as_json, host)
         assert got[0] == 1 and "corrupt_value" in got[1], got
         _same_as_torch_path(root, as_json, host, got)
+
+
+@pytest.mark.parametrize("architectures", [[[None]], [{"a": 1}], [5], []])
+def test_odd_architectures_are_no_architecture(tmp_path: Path, architectures: Any) -> None:
+    """Found by the fuzzer: a list as ``architectures[0]`` raised TypeError (unhashable)."""
+    root = _ckpt(tmp_path, GOOD)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["architectures"] = architectures
+    (root / "config.json").write_text(json.dumps(cfg))
+    status, out, _ = _run(root, True, "vllm")
+    COUNTS["named"] += 1
+    assert status == 0, out
