@@ -6,6 +6,9 @@ kv_cache_scheme), then measures, with the page cache dropped for the checkpoint'
 files before each run (posix_fadvise DONTNEED after fsync: "cold-ish"):
 
 * inspect: ``inspect_checkpoint(dir)`` in this process (imports already warm);
+* process: the whole ``kvscale inspect DIR`` process, fresh interpreter and imports
+  included (warm page cache; median of ``--process-runs``), beside the report's own time;
+  ``kvscale --help`` the same way, for the interpreter's and the CLI's floor;
 * read: reading every safetensors file fully, in 16 MiB chunks;
 * cached: bytes of the checkpoint's files in the page cache after one cold inspect
   (``mincore``; Linux): what the kernel really read, read-ahead included -- the
@@ -16,7 +19,8 @@ tensor count with ~1/60 of the weight bytes; and 2x / 4x the tensors with small
 weights. Prints one row per checkpoint and the inspect/read ratio.
 
     python benchmarks/inspect_speed.py [--layers 80] [--shards 20] [--hidden 512]
-                                        [--intermediate 1024] [--repeats 5] [--cli]
+                                        [--intermediate 1024] [--repeats 5]
+                                        [--process-runs 9] [--cli]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from cli_startup import kvscale_command  # benchmarks/, this script's folder
 from safetensors.torch import save_file
 
 from kvscale_plugin.scheme import FP8_KV_SCHEME
@@ -190,6 +195,19 @@ def timed(fn, ckpt: Path, repeats: int, cold: bool = True) -> float:
     return statistics.median(times)
 
 
+def process_time(argv: list[str], runs: int) -> float:
+    """Median wall time of ``runs`` fresh processes of ``argv`` (after one warm-up run)."""
+    times = []
+    for i in range(runs + 1):
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+        if proc.returncode not in (0, 1):
+            raise SystemExit(f"{' '.join(argv)} exited with {proc.returncode}:\n{proc.stderr}")
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=80)
@@ -198,9 +216,15 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--process-runs",
+        type=int,
+        default=9,
+        help="fresh `kvscale inspect` / `kvscale --help` processes timed per figure (median)",
+    )
+    parser.add_argument(
         "--cli",
         action="store_true",
-        help="also time the whole `python -m kvscale_plugin.cli inspect` process",
+        help="also time one whole `kvscale inspect --json` process, page cache dropped",
     )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (printed)")
     args = parser.parse_args()
@@ -232,9 +256,14 @@ def main() -> None:
             f"kvscale inspect vs reading the files; median of {args.repeats}, page cache "
             "dropped before each run (cold-ish)"
         )
+        kvscale = kvscale_command()
+        print(
+            f"process ms: the whole `{' '.join(Path(a).name for a in kvscale)} inspect DIR` "
+            f"process (warm page cache), median of {args.process_runs}"
+        )
         header = (
             f"{'checkpoint':<36}{'tensors':>8}{'MB':>9}{'inspect ms':>12}"
-            f"{'(warm) ms':>11}{'read ms':>10}{'inspect/read':>14}"
+            f"{'(warm) ms':>11}{'process ms':>12}{'read ms':>10}{'inspect/read':>14}"
         )
         print(header)
         print("-" * len(header))
@@ -243,10 +272,12 @@ def main() -> None:
             rep = inspect_checkpoint(ckpt)
             t_inspect = timed(inspect_checkpoint, ckpt, args.repeats)
             t_warm = timed(inspect_checkpoint, ckpt, args.repeats, cold=False)
+            t_process = process_time([*kvscale, "inspect", str(ckpt)], args.process_runs)
             t_read = timed(read_all, ckpt, args.repeats)
             print(
                 f"{label:<36}{rep.num_tensors:>8}{size / 1e6:>9.1f}{t_inspect * 1e3:>12.1f}"
-                f"{t_warm * 1e3:>11.1f}{t_read * 1e3:>10.1f}{t_inspect / t_read:>14.4f}"
+                f"{t_warm * 1e3:>11.1f}{t_process * 1e3:>12.1f}{t_read * 1e3:>10.1f}"
+                f"{t_inspect / t_read:>14.4f}"
             )
             drop_cache(ckpt)
             inspect_checkpoint(ckpt)
@@ -256,6 +287,8 @@ def main() -> None:
                 f"{'':<36}inspect read {rep.bytes_read:,} of {rep.total_bytes:,} bytes; "
                 f"cached after a cold inspect: {shown} bytes"
             )
+        t_help = process_time([*kvscale, "--help"], args.process_runs)
+        print(f"{'kvscale --help (the floor)':<76}{t_help * 1e3:>12.1f}")
         if args.cli:
             ckpt = built[0][2]
             drop_cache(ckpt)

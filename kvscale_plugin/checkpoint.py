@@ -11,12 +11,13 @@ What ``kvscale inspect`` needs, and nothing more:
 Every safetensors file is validated by the ``safetensors`` library
 (``safe_open``), so a file is accepted exactly when the engines' loaders accept
 it: besides truncation and a corrupt header, overlapping tensors, gaps in the
-data section and trailing bytes are refused too. Tensors are decoded by the
-library as well (every dtype torch has). ``safe_open`` runs with
-``backend="pread"`` after the header was read here with one plain ``read``: the
-library then reads only the header (already in the page cache) and, on request,
-single tensors' bytes; with the default ``mmap`` backend the kernel's read-around
-would load megabytes of weights per file.
+data section and trailing bytes are refused too. ``safe_open`` runs with
+``framework="numpy"`` (no torch) and ``backend="pread"`` after the header was read here
+with one plain ``read``: the library then reads only the header (already in the page
+cache); with the default ``mmap`` backend the kernel's read-around would load megabytes
+of weights per file. A small tensor's elements are decoded here from its own bytes
+(``read_values``: every real dtype of the format, F8 included, without torch);
+``read_tensor`` has the library decode it as a torch tensor (calibration).
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
 checkpoints are supported. Anything that makes the directory unreadable (no
@@ -88,12 +89,61 @@ class TensorInfo:
         return self.end - self.start
 
 
-def _safe_open(path: Path) -> Any:
+def _safe_open(path: Path, framework: str = "numpy") -> Any:
     """``safe_open`` reading with ``pread`` (safetensors >= 0.8; older: its default)."""
     try:
-        return safe_open(str(path), framework="pt", backend="pread")
+        return safe_open(str(path), framework=framework, backend="pread")
     except TypeError:  # pragma: no cover - safetensors < 0.8 has no backend argument
-        return safe_open(str(path), framework="pt")
+        return safe_open(str(path), framework=framework)
+
+
+def _f8_table(exponent_bits: int, bias: int, kind: str) -> list[float]:
+    """The value of each byte of an 8-bit float: ``fn`` (e4m3fn: no inf, S.1111.111 is
+    NaN), ``ieee`` (e5m2: inf and NaN), ``fnuz`` (0x80 is the only NaN, no -0), ``e8m0``
+    (unsigned powers of two, 0xFF is NaN)."""
+    if kind == "e8m0":
+        return [math.ldexp(1.0, b - bias) for b in range(255)] + [math.nan]
+    mantissa_bits, top = 7 - exponent_bits, (1 << exponent_bits) - 1
+    table = []
+    for b in range(256):
+        e, m = (b >> mantissa_bits) & top, b & ((1 << mantissa_bits) - 1)
+        value = math.ldexp(m + (e > 0 and 1 << mantissa_bits), max(e, 1) - bias - mantissa_bits)
+        if kind == "ieee" and e == top:
+            value = math.inf if m == 0 else math.nan
+        elif (kind == "fn" and e == top and m == (1 << mantissa_bits) - 1) or (
+            kind == "fnuz" and b == 0x80
+        ):
+            value = math.nan
+        table.append(-value if b >> 7 else value)
+    return table
+
+
+#: ``struct`` formats of the fixed-width dtypes (BF16 and the 8-bit floats: see ``_decode``).
+_STRUCT = {"F64": "d", "F32": "f", "F16": "e", "I64": "q", "I32": "i", "I16": "h", "I8": "b"}
+_STRUCT.update({"U64": "Q", "U32": "I", "U16": "H", "U8": "B", "BOOL": "?"})
+_F8_KINDS = {
+    "F8_E4M3": (4, 7, "fn"),
+    "F8_E5M2": (5, 15, "ieee"),
+    "F8_E4M3FNUZ": (4, 8, "fnuz"),
+    "F8_E5M2FNUZ": (5, 16, "fnuz"),
+    "F8_E8M0": (8, 127, "e8m0"),
+}
+_F8_TABLES: dict[str, list[float]] = {}
+
+
+def _decode(dtype: str, raw: bytes) -> tuple[float, ...]:
+    """The elements of a little-endian safetensors tensor as Python floats (exact: what
+    torch's ``.double()`` of the same tensor holds)."""
+    if dtype in _F8_KINDS:
+        table = _F8_TABLES.get(dtype) or _F8_TABLES.setdefault(dtype, _f8_table(*_F8_KINDS[dtype]))
+        return tuple(table[b] for b in raw)
+    if dtype == "BF16":  # the upper half of a float32
+        raw = b"".join(b"\0\0" + raw[i : i + 2] for i in range(0, len(raw), 2))
+        dtype = "F32"
+    fmt = _STRUCT.get(dtype)
+    if fmt is None:
+        raise ValueError(f"dtype {dtype} is not decoded here")
+    return tuple(float(x) for x in struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
 
 
 @dataclass
@@ -109,7 +159,7 @@ class Checkpoint:
     bytes_read: int = 0
     #: Per file: number of tensors in its header.
     tensors_per_file: dict[Path, int] = field(default_factory=dict)
-    #: Per file: the library's handle (``safe_open``), kept from validation for reads.
+    #: Per file: the library's torch handle (``safe_open``), opened by ``read_tensor``.
     handles: dict[Path, Any] = field(default_factory=dict, repr=False)
     #: Called with each tensor before its bytes are read (a Hub mirror fetches them then).
     before_read: Callable[[TensorInfo], None] | None = field(default=None, repr=False)
@@ -124,12 +174,7 @@ class Checkpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_tensor(self, info: TensorInfo) -> Any:
-        """A small tensor as a CPU ``torch.Tensor``, decoded by ``safetensors`` (its bytes only).
-
-        Raises ``CheckpointError`` for tensors larger than ``MAX_DECODE_ELEMENTS`` (a KV
-        scale never is), dtypes torch cannot hold (``F6_*``) and unreadable files.
-        """
+    def _small(self, info: TensorInfo) -> None:
         if info.numel > MAX_DECODE_ELEMENTS:
             raise CheckpointError(
                 f"{info.file}: tensor '{info.name}' has {info.numel} elements; only small "
@@ -137,10 +182,41 @@ class Checkpoint:
             )
         if self.before_read is not None:
             self.before_read(info)
+
+    def read_values(self, info: TensorInfo) -> tuple[float, ...]:
+        """A small tensor's elements (row-major) as floats, decoded from its bytes only
+        (no torch). Raises ``CheckpointError`` for tensors larger than
+        ``MAX_DECODE_ELEMENTS``, dtypes without real elements (``F4``, ``F6_*``, ``C64``)
+        and unreadable files."""
+        self._small(info)
+        try:
+            with open(info.file, "rb") as f:
+                f.seek(info.start)
+                raw = f.read(info.nbytes)
+            if len(raw) != info.nbytes:
+                raise OSError(f"{len(raw)} of {info.nbytes} bytes")
+            values = _decode(info.dtype, raw)
+        except OSError as exc:
+            raise CheckpointError(f"{info.file}: cannot read tensor '{info.name}': {exc}") from exc
+        except ValueError as exc:
+            raise CheckpointError(
+                f"{info.file}: tensor '{info.name}' (dtype {info.dtype}) cannot be decoded "
+                f"here: {exc}"
+            ) from exc
+        self.bytes_read += info.nbytes
+        return values
+
+    def read_tensor(self, info: TensorInfo) -> Any:
+        """A small tensor as a CPU ``torch.Tensor``, decoded by ``safetensors`` (its bytes only).
+
+        Raises ``CheckpointError`` for tensors larger than ``MAX_DECODE_ELEMENTS`` (a KV
+        scale never is), dtypes torch cannot hold (``F6_*``) and unreadable files.
+        """
+        self._small(info)
         try:
             handle = self.handles.get(info.file)
             if handle is None:
-                handle = self.handles[info.file] = _safe_open(info.file)
+                handle = self.handles[info.file] = _safe_open(info.file, "pt")
             tensor = handle.get_tensor(info.name)
         except OSError as exc:
             raise CheckpointError(f"{info.file}: cannot read tensor '{info.name}': {exc}") from exc
@@ -176,12 +252,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Ten
     the file (``safe_open``: what the engines' loaders accept); weight bytes are not
     read. Raises ``CheckpointError`` naming the file for anything the library refuses.
     """
-    tensors, nread, _ = _read_header(Path(path))
-    return tensors, nread
-
-
-def _read_header(path: Path) -> tuple[dict[str, TensorInfo], int, Any]:
-    """``read_safetensors_header`` and the library's open handle of the file."""
+    path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -206,7 +277,7 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], int, Any]:
         )
     # The library decides what is valid (the header pages are in the page cache now).
     try:
-        handle = _safe_open(path)
+        _safe_open(path)
     except SafetensorError as exc:
         raise CheckpointError(_refused(path, exc, raw, size - 8 - n)) from exc
     except OSError as exc:
@@ -225,7 +296,7 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], int, Any]:
         for name, entry in header.items()
         if name != "__metadata__"
     }
-    return tensors, 8 + n, handle
+    return tensors, 8 + n
 
 
 def _refused(path: Path, exc: SafetensorError, raw: bytes, data_len: int) -> str:
@@ -345,10 +416,9 @@ def open_checkpoint(
     files, sharded, weight_map = _checkpoint_files(root)
     tensors: dict[str, TensorInfo] = {}
     per_file: dict[Path, int] = {}
-    handles: dict[Path, Any] = {}
     bytes_read = 0
     for path in files:
-        found, nread, handles[path] = _read_header(path)
+        found, nread = read_safetensors_header(path)
         bytes_read += nread
         per_file[path] = len(found)
         for name, info in found.items():
@@ -374,6 +444,5 @@ def open_checkpoint(
         sharded=sharded,
         bytes_read=bytes_read,
         tensors_per_file=per_file,
-        handles=handles,
         before_read=before_read,
     )

@@ -1,4 +1,4 @@
-"""Checkpoint-first KV scale resolution (pure torch; imports no host).
+"""Checkpoint-first KV scale resolution (imports no host, nor torch: callers hand in tensors).
 
 One path, no runtime estimation: whatever the checkpoint loaded decides the
 layer's scales. "Not loaded" is ``None``, never a magic number, so no real
@@ -19,11 +19,14 @@ naming the tensor and the head, together with every other bad tensor in one erro
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from kvscale_plugin.fp8 import (
     FLOAT32_MAX,
@@ -140,32 +143,53 @@ def scale_problem_records(
     the whole tensor's (``head=None``); a bad element names its head. Empty = usable.
     """
 
-    def whole(why: str | None) -> list[ScaleProblem]:
-        return [ScaleProblem(name, why)] if why is not None else []
+    if not _is_tensor(value):
+        why = _value_problem(float(value))
+    elif not value.is_floating_point():
+        why = f"dtype {value.dtype} is not a float scale (expected float32/bf16/fp16)"
+    else:
+        why = shape_problem(tuple(value.shape), num_heads)
+        if why is None:
+            values = value.detach().float().reshape(-1).tolist()
+            return value_problems(name, values, num_heads=num_heads)
+    return [ScaleProblem(name, why)] if why is not None else []
 
-    if not isinstance(value, torch.Tensor):
-        return whole(_value_problem(float(value)))
-    if not value.is_floating_point():
-        return whole(f"dtype {value.dtype} is not a float scale (expected float32/bf16/fp16)")
-    shape = tuple(value.shape)
+
+def shape_problem(shape: tuple[int, ...], num_heads: int | None) -> str | None:
+    """Why a float scale of ``shape`` cannot be served (``scale_problem_records``'s rule)."""
     if num_heads is None:
-        if value.numel() != 1:
-            return whole(
+        if math.prod(shape) != 1:
+            return (
                 f"shape {shape} is not a per-tensor scalar (the kv_cache_scheme says "
                 "strategy 'tensor'; per-head scales need strategy 'attn_head')"
             )
-        return whole(_value_problem(float(value.detach().float().reshape(()).item())))
-    if not per_head_shape_ok(shape, num_heads):
-        return whole(
+    elif not per_head_shape_ok(shape, num_heads):
+        return (
             f"shape {shape} does not match the model's {num_heads} KV heads "
             f"(strategy 'attn_head' expects [{num_heads}, 1, 1] or [{num_heads}])"
         )
-    values = value.detach().float().reshape(-1).tolist()
+    return None
+
+
+def value_problems(
+    name: str, values: Sequence[float], *, num_heads: int | None = None
+) -> list[ScaleProblem]:
+    """``scale_problem_records`` of a float tensor of the right shape, given as its
+    elements in float32 (no torch needed)."""
+    if num_heads is None:
+        why = _value_problem(values[0])
+        return [ScaleProblem(name, why)] if why is not None else []
     return [
         ScaleProblem(name, why, head)
         for head, element in enumerate(values)
         if (why := _value_problem(element)) is not None
     ]
+
+
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor (torch not imported yet: no value can be one)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def scale_problems(
@@ -268,7 +292,7 @@ def format_corrupt_scales(problems: Mapping[str, str]) -> str:
 
 
 def _as_tuple(value: Scale) -> tuple[float, ...]:
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         return tuple(float(x) for x in value.detach().float().reshape(-1).tolist())
     if isinstance(value, (int, float)):
         return (float(value),)

@@ -1,7 +1,11 @@
 """Verdict on a checkpoint's ``kv_cache_scheme`` (pure; imports no host).
 
-The scheme is parsed with compressed-tensors' own ``QuantizationArgs`` so that
-its defaults and validation are the library's, not ours. A scheme is
+compressed-tensors' own ``QuantizationArgs`` decides what a scheme means: its defaults
+and validation are the library's, not ours. Importing it costs seconds (torch,
+transformers), so a scheme made only of the fields and values llm-compressor writes is
+read here in plain Python (``_plain_args``: what ``QuantizationArgs`` makes of exactly
+those inputs; ``tests/unit/test_fuzz_core.py`` checks it against the library on the
+fuzzed scheme corpus); anything else goes to the library. A scheme is
 *supported* when it is static, symmetric, 8-bit float, with one calibrated
 scale per layer (``strategy: tensor``) or per KV head (``strategy: attn_head``,
 llm-compressor's other KV recipe): what an FP8 (e4m3) KV cache can serve.
@@ -38,6 +42,17 @@ _DEFAULTABLE_FIELDS = ("strategy", "symmetric", "dynamic")
 
 
 @dataclass(frozen=True)
+class KVArgs:
+    """The fields of a parsed ``QuantizationArgs`` the verdict rests on, as plain values."""
+
+    type: str
+    num_bits: int
+    strategy: str | None
+    dynamic: bool | str
+    symmetric: bool
+
+
+@dataclass(frozen=True)
 class SchemeVerdict:
     """What a ``kv_cache_scheme`` means for the KV cache.
 
@@ -50,8 +65,8 @@ class SchemeVerdict:
     supported: bool
     reason: str
     assumed: Mapping[str, Any] = field(default_factory=dict)
-    # The parsed compressed-tensors ``QuantizationArgs``, when parsing worked.
-    args: Any = None
+    #: What ``QuantizationArgs`` parsed (plain values), when parsing worked.
+    args: KVArgs | None = None
     #: Supported and ``strategy: attn_head``: one k/v scale per KV head.
     per_head: bool = False
 
@@ -84,43 +99,90 @@ def judge_kv_cache_scheme(scheme: Any) -> SchemeVerdict:
             supported=False,
             reason=f"kv_cache_scheme must be a JSON object, got {type(scheme).__name__}",
         )
+    args = _plain_args(scheme)
+    if args is None:
+        parsed = _library_args(scheme)
+        if isinstance(parsed, str):
+            return SchemeVerdict(
+                declared=True, supported=False, reason=f"malformed kv_cache_scheme ({parsed})"
+            )
+        args = parsed
+    return _verdict(scheme, args)
 
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationStrategy,
-        QuantizationType,
-    )
+
+#: ``QuantizationArgs``' fields; ``_plain_args`` reads a scheme of these only.
+_FIELDS = frozenset(
+    {*FP8_KV_SCHEME, "num_bits", "type", "symmetric", "strategy", "dynamic", "observer"}
+)
+#: Must be absent or null for ``_plain_args`` (else the library's validators decide).
+_NULL_FIELDS = ("group_size", "block_structure", "actorder", "scale_dtype", "zp_dtype")
+
+
+def _plain_args(scheme: Mapping[Any, Any]) -> KVArgs | None:
+    """What ``QuantizationArgs.model_validate(scheme)`` parses, for the inputs where that
+    is plain (8 bits, ``tensor`` / ``channel`` / ``attn_head`` / dynamic ``token``,
+    JSON types as llm-compressor writes them); None: only the library can tell."""
+    if not scheme.keys() <= _FIELDS or any(scheme.get(f) is not None for f in _NULL_FIELDS):
+        return None
+    num_bits = scheme.get("num_bits", 8)
+    type_ = scheme.get("type", "int")
+    symmetric = scheme.get("symmetric", True)
+    dynamic = scheme.get("dynamic", False)
+    strategy = scheme.get("strategy")
+    strategy = "tensor" if strategy is None else strategy  # group_size is None: "tensor"
+    observer = scheme.get("observer")
+    kwargs = scheme.get("observer_kwargs", {})
+    if (
+        type(num_bits) is not int
+        or num_bits != 8
+        or type(type_) is not str
+        or type_ not in ("float", "int")
+        or type(symmetric) is not bool
+        or type(dynamic) is not bool
+        or type(strategy) is not str
+        or strategy not in (("tensor", "token") if dynamic else ("tensor", "channel", "attn_head"))
+        or not (observer is None or type(observer) is str)
+        # The library warns about an observer with dynamic quantization: its call.
+        or (dynamic and observer not in (None, "memoryless"))
+        or not (type(kwargs) is dict and all(type(k) is str for k in kwargs))
+    ):
+        return None
+    return KVArgs(type_, num_bits, strategy, dynamic, symmetric)
+
+
+def _library_args(scheme: Mapping[Any, Any]) -> KVArgs | str:
+    """``scheme`` parsed by compressed-tensors' ``QuantizationArgs`` (imports torch), or
+    why it refuses it."""
+    from compressed_tensors.quantization import QuantizationArgs
     from pydantic import ValidationError
 
     try:
         args = QuantizationArgs.model_validate(dict(scheme))
     except ValidationError as exc:
-        problems = "; ".join(
+        return "; ".join(
             f"field '{'.'.join(str(p) for p in err['loc']) or '?'}': {err['msg']}"
             for err in exc.errors()
-        )
-        return SchemeVerdict(
-            declared=True, supported=False, reason=f"malformed kv_cache_scheme ({problems})"
         )
     except Exception as exc:  # noqa: BLE001 - any library refusal of the input is "malformed"
         # compressed-tensors also raises NotImplementedError (e.g. a float scheme that is
         # neither 8 nor 4 bits), TypeError and ValueError on values it cannot take.
-        return SchemeVerdict(
-            declared=True,
-            supported=False,
-            reason=f"malformed kv_cache_scheme ({type(exc).__name__}: {exc})",
-        )
+        return f"{type(exc).__name__}: {exc}"
+    type_, strategy, dynamic = (
+        getattr(v, "value", v) for v in (args.type, args.strategy, args.dynamic)
+    )
+    return KVArgs(type_, args.num_bits, strategy, dynamic, args.symmetric)
 
+
+def _verdict(scheme: Mapping[Any, Any], args: KVArgs) -> SchemeVerdict:
     assumed = {name: getattr(args, name) for name in _DEFAULTABLE_FIELDS if name not in scheme}
-
-    strategy = QuantizationStrategy(args.strategy) if args.strategy is not None else None
+    strategy = args.strategy
     problems: list[str] = []
-    if args.type != QuantizationType.FLOAT or args.num_bits != 8:
+    if args.type != "float" or args.num_bits != 8:
         problems.append(
             f"type={_show(args.type)} num_bits={args.num_bits} (only 8-bit float maps to an "
             "FP8 e4m3 cache)"
         )
-    if strategy not in (QuantizationStrategy.TENSOR, QuantizationStrategy.ATTN_HEAD):
+    if strategy not in ("tensor", "attn_head"):
         problems.append(
             f"strategy={_show(strategy)} (only per-tensor 'tensor' and per-head 'attn_head' "
             "scales are supported)"
@@ -141,7 +203,7 @@ def judge_kv_cache_scheme(scheme: Any) -> SchemeVerdict:
             assumed=assumed,
             args=args,
         )
-    per_head = strategy == QuantizationStrategy.ATTN_HEAD
+    per_head = strategy == "attn_head"
     return SchemeVerdict(
         declared=True,
         supported=True,

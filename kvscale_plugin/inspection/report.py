@@ -41,6 +41,7 @@ from kvscale_plugin.inspection.tensors import (
 from kvscale_plugin.inspection.vllm_layers import checkpoint_modules, served_on_any
 from kvscale_plugin.inspection.weights import WeightVerdict, combine, judge_weights
 from kvscale_plugin.names import map_scale_name
+from kvscale_plugin.scales import ScaleSource, resolve_kv_scales
 from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
 from kvscale_plugin.sharing import kv_sharing_targets
 
@@ -126,7 +127,9 @@ def _inspect(
         attn_layers=cfg.attention_layers(tc, n),
         kv_heads=kv_heads,
         q_heads=q_heads,
-        architecture=archs[0] if isinstance(archs, list) and archs else None,
+        architecture=archs[0]
+        if isinstance(archs, list) and archs and isinstance(archs[0], str)
+        else None,
         vllm_release=version.split("+")[0] if host == "vllm" and version else None,
     )
     qc = cfg.quant_config(config)
@@ -347,8 +350,6 @@ def _row_template(rows: Iterable[LayerRow]) -> str:
 
 def _judge_rows(layers: list[LayerRow], verdict: SchemeVerdict, heads: Heads | None) -> None:
     """Each row's problem codes and kvscale's view (the adapters' path)."""
-    from kvscale_plugin.scales import ScaleSource, resolve_kv_scales  # torch: on use
-
     for row in layers:
         slots = [t for t in (row.k, row.v, row.q, *row.extra) if t is not None]
         row.problems = sorted({p.code for t in slots for p in t.problems})

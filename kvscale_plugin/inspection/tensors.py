@@ -1,25 +1,24 @@
 """Classifying and decoding scale tensors: naming, scale-likeness, values and their problems.
 
-The value rules are the core's (``scales.scale_problems``, ``per_head_shape_ok``):
-the ones kvscale's loaders apply. Only tensors of at most
-``checkpoint.MAX_DECODE_ELEMENTS`` elements are decoded (by the ``safetensors``
-library, through ``Checkpoint.read_tensor``).
+The value rules are the core's (``scales.shape_problem``, ``value_problems``: what
+``scale_problems`` applies to a loaded tensor, without torch): the ones kvscale's
+loaders apply. Only tensors of at most ``checkpoint.MAX_DECODE_ELEMENTS`` elements are
+decoded (from their own bytes, ``Checkpoint.read_values``).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import struct
 
 from kvscale_plugin.checkpoint import MAX_DECODE_ELEMENTS, Checkpoint, TensorInfo
-from kvscale_plugin.fp8 import per_head_shape_ok
 from kvscale_plugin.inspection.records import Naming, TensorProblem
-
-# kvscale_plugin.scales (and with it torch) is imported only where a tensor is judged.
+from kvscale_plugin.scales import shape_problem, value_problems
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 #: Dtypes whose elements are real numbers (decoded to show their values). Not: the
-#: packed sub-byte F4 / F6_* (torch has no element type for them) and complex C64.
+#: packed sub-byte F4 / F6_* and complex C64.
 DECODABLE = frozenset(
     {
         *("F64", "F32", "F16", "BF16"),
@@ -56,16 +55,12 @@ def naming(name: str) -> Naming:
     return "other"
 
 
-def shape_problem(name: str, shape: tuple[int, ...], heads: int | None) -> str | None:
-    """The core's shape message (``scale_problems``), without reading the tensor."""
-    if per_head_shape_ok(shape, heads) if heads is not None else math.prod(shape) == 1:
-        return None
-    import torch
-
-    from kvscale_plugin.scales import scale_problems
-
-    meta = torch.empty(shape, dtype=torch.float32, device="meta")
-    return scale_problems(name, meta, num_heads=heads).get(name)
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, as the loaders judge a scale (``tensor.float()``)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:  # beyond float32 after rounding
+        return math.copysign(math.inf, x)
 
 
 def decode(
@@ -85,21 +80,18 @@ def decode(
                 f"dtype {info.dtype} is not a float type (expected F32, BF16 or F16)",
             )
         )
-    shape_why = shape_problem(info.name, info.shape, heads)
+    shape_why = shape_problem(info.shape, heads)
     if shape_why is not None:
         problems.append(TensorProblem("malformed_shape", shape_why))
     if info.dtype not in DECODABLE or info.numel > MAX_DECODE_ELEMENTS:
         return None, None, problems
-    from kvscale_plugin.scales import scale_problems
-
-    tensor = ckpt.read_tensor(info)
-    values = tuple(float(x) for x in tensor.detach().double().reshape(-1).tolist())
+    values = ckpt.read_values(info)
     value = values[0] if len(values) == 1 else None
     # Element rules only where the shape is right (a non-float dtype is reported above).
     if shape_why is None and info.dtype in FLOAT_DTYPES:
-        for key, why in scale_problems(info.name, tensor, num_heads=heads).items():
-            head = key[len(info.name) :].removeprefix("[head ").removesuffix("]")
-            problems.append(TensorProblem("corrupt_value", why, int(head) if head else None))
+        f32 = [_float32(x) for x in values]
+        for p in value_problems(info.name, f32, num_heads=heads):
+            problems.append(TensorProblem("corrupt_value", p.why, p.head))
     return value, values, problems
 
 
@@ -107,7 +99,5 @@ def zero_point_value(ckpt: Checkpoint, info: TensorInfo) -> tuple[float | None, 
     """(value if single, whether any element is non-zero); zero points are never large."""
     if info.dtype not in DECODABLE or info.numel > MAX_DECODE_ELEMENTS:
         return None, False
-    tensor = ckpt.read_tensor(info)
-    nonzero = bool((tensor.double() != 0).any()) if tensor.numel() else False
-    value = float(tensor.double().reshape(()).item()) if tensor.numel() == 1 else None
-    return value, nonzero
+    values = ckpt.read_values(info)
+    return (values[0] if len(values) == 1 else None), any(x != 0 for x in values)

@@ -117,6 +117,43 @@ def test_every_torch_dtype_decodes_through_safetensors(tmp_path, dtype):
     assert got.dtype == dtype and torch.equal(got.double(), t.double())
 
 
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    **{f"I{8 * n}": getattr(torch, f"int{8 * n}") for n in (1, 2, 4, 8)},
+    **{f"U{8 * n}": getattr(torch, f"uint{8 * n}") for n in (1, 2, 4, 8)},
+    "BOOL": torch.bool,
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_read_values_decodes_like_torch(tmp_path, dtype):
+    """``read_values`` (no torch) holds what the library's torch tensor holds, as doubles:
+    every byte value of the 8-bit types, 4096 random elements of the wider ones."""
+    size = DTYPES[dtype].itemsize
+    raw = bytes(range(256)) if size == 1 else torch.randint(0, 256, (4096 * size,)).byte()
+    raw = bytes(raw) if dtype != "BOOL" else bytes([0, 1] * 128)
+    header = {
+        "x.k_scale": {"dtype": dtype, "shape": [len(raw) // size], "data_offsets": [0, len(raw)]}
+    }
+    _write_raw(tmp_path / "model.safetensors", header, raw)
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = open_checkpoint(tmp_path)
+    info = ckpt.tensors["x.k_scale"]
+    expected = ckpt.read_tensor(info).double()
+    got = torch.tensor(ckpt.read_values(info), dtype=torch.float64)
+    assert torch.equal(got.isnan(), expected.isnan())
+    same = got[~got.isnan()], expected[~expected.isnan()]
+    assert torch.equal(*same) and torch.equal(same[0].signbit(), same[1].signbit())
+
+
 def test_a_dtype_torch_cannot_hold_is_a_checkpoint_error(tmp_path):
     header = {"x.k_scale": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}
     _write_raw(tmp_path / "model.safetensors", header, b"\0" * 3)
@@ -124,6 +161,8 @@ def test_a_dtype_torch_cannot_hold_is_a_checkpoint_error(tmp_path):
     ckpt = open_checkpoint(tmp_path)  # a valid file: the engines accept it
     with pytest.raises(CheckpointError, match=r"tensor 'x.k_scale' \(dtype F6_E2M3\) cannot be"):
         ckpt.read_tensor(ckpt.tensors["x.k_scale"])
+    with pytest.raises(CheckpointError, match=r"tensor 'x.k_scale' \(dtype F6_E2M3\) cannot be"):
+        ckpt.read_values(ckpt.tensors["x.k_scale"])
 
 
 # ------------------------------------------------------------------ unusable input

@@ -53,6 +53,20 @@ def inspected(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], set[s
     return _imported("inspect", str(model))
 
 
+@pytest.mark.slow  # fresh interpreters
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_of_a_local_checkpoint_imports_no_torch(tmp_path, strategy, as_json):
+    """A local checkpoint declaring llm-compressor's scheme: the scale bytes are decoded
+    without torch, the scheme read without compressed-tensors (which imports torch and
+    transformers)."""
+    model = scale_only_checkpoint(tmp_path / "tiny", strategy=strategy)
+    proc, packages = _imported("inspect", str(model), *(["--json"] if as_json else []))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert '"supported": true' in proc.stdout if as_json else "PROBLEMS: none" in proc.stdout
+    assert not packages & set(HEAVY), sorted(packages & set(HEAVY))
+
+
 @pytest.mark.slow  # a fresh interpreter
 def test_inspect_imports_no_host(inspected):
     proc, packages = inspected

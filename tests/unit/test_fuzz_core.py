@@ -2,7 +2,11 @@
 
 * ``scheme.judge_kv_cache_scheme``: ``kv_cache_scheme`` values of every wrong type,
   unknown and missing fields, absurd numbers -> never raises; always a verdict that is
-  "not declared", "supported" or "unsupported, with a reason".
+  "not declared", "supported" or "unsupported, with a reason". Every judged scheme the
+  plain-Python reading answers (``scheme._plain_args``, what inspect uses to avoid
+  importing compressed-tensors) gets the verdict compressed-tensors' own parse gives,
+  field for field, with no warning the library would have printed; a second corpus stays
+  near that reading's edges (llm-compressor's fields, boundary values of each).
 * ``scales.scale_problems`` / ``check_scales`` (``kvscale_testing.scale_checks``: what a
   load does with a cycle's tensors, through the product's own calls): scale tensors of
   every dtype and shape (0-d, [1], [2], [H, 1, 1], [H], empty, ...) holding 0 / -0.0 /
@@ -21,16 +25,20 @@ test asserts that its budget of examples really ran).
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
+from unittest import mock
 
+import compressed_tensors.quantization  # noqa: F401 - imported before warnings are recorded
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvscale_testing.scale_checks import check_scales, scale_problem
 
+from kvscale_plugin import scheme as scheme_module
 from kvscale_plugin.scales import (
     SENTINEL,
     CorruptScaleError,
@@ -39,11 +47,12 @@ from kvscale_plugin.scales import (
     resolve_kv_scales,
     scale_problems,
 )
-from kvscale_plugin.scheme import SchemeVerdict, judge_kv_cache_scheme
+from kvscale_plugin.scheme import FP8_KV_SCHEME, SchemeVerdict, judge_kv_cache_scheme
 
 COUNTS: Counter[str] = Counter()
 
 N_SCHEME = 300
+N_PARITY = 1500
 N_SCALES = 700
 N_RESOLVE = 700
 
@@ -202,10 +211,102 @@ def _check_verdict(scheme: Any, verdict: SchemeVerdict) -> None:
         assert not verdict.per_head
 
 
+def _library_verdict(scheme: Any) -> SchemeVerdict:
+    """The verdict with every scheme parsed by compressed-tensors' ``QuantizationArgs``."""
+    with mock.patch.object(scheme_module, "_plain_args", lambda scheme: None):
+        return judge_kv_cache_scheme(scheme)
+
+
+def _check_parity(scheme: Any, verdict: SchemeVerdict) -> bool:
+    """Where the plain reading answers, compressed-tensors agrees (and stays silent).
+    Whether it answered."""
+    if not isinstance(scheme, Mapping) or scheme_module._plain_args(scheme) is None:
+        return False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reference = _library_verdict(scheme)
+    assert verdict == reference, scheme
+    assert not caught, [str(w.message) for w in caught]
+    return True
+
+
 def _judge_checked(scheme: Any) -> None:
     COUNTS["scheme"] += 1
     verdict = judge_kv_cache_scheme(scheme)
     _check_verdict(scheme, verdict)
+    COUNTS["scheme:plain" if _check_parity(scheme, verdict) else "scheme:library"] += 1
+
+
+# Near the plain reading's edges: llm-compressor's value of a field, the field left out,
+# or a value next to what the plain reading takes.
+NEAR = {
+    "num_bits": [8, 8.0, "8", True, 4, 16, 0, -8, None, 2**64],
+    "type": ["float", "int", "FLOAT", "Float", " float", "complex", None, 1, ""],
+    "symmetric": [True, False, "true", 1, 0, None, "no"],
+    "group_size": [None, 128, -1, 0, -2, "x", 1.5],
+    "strategy": [None, "tensor", "attn_head", "channel", "token", "group", "block"]
+    + ["tensor_group", "TENSOR", "Attn_Head", "", " tensor", 0, False, [], "x"],
+    "block_structure": [None, [128, 128], "2x4", [1], "x"],
+    "dynamic": [False, True, "local", "LOCAL", "false", 0, 1, None, "x"],
+    "actorder": [None, False, True, "group", "static", "x"],
+    "scale_dtype": [None, "torch.float32", "bfloat16", "x", 3],
+    "zp_dtype": [None, "torch.int8", "x"],
+    "observer": [None, "minmax", "memoryless", "memoryless_minmax", "", 3, True],
+    "observer_kwargs": [{}, {"a": 1}, {"averaging_constant": 0.01}, None, [], {"": None}],
+}
+
+
+@st.composite
+def near_plain_schemes(draw: st.DrawFn) -> dict[Any, Any]:
+    scheme: dict[Any, Any] = {}
+    for name in FIELDS:
+        how = draw(st.sampled_from(["llm-compressor"] * 5 + ["missing"] * 2 + ["near"] * 2))
+        if how == "llm-compressor":
+            scheme[name] = FP8_KV_SCHEME[name]
+        elif how == "near":
+            scheme[name] = draw(st.sampled_from(NEAR[name]))
+    if draw(st.integers(0, 7)) == 0:
+        scheme[draw(st.sampled_from(["colour", "Strategy", "num_bits ", 1]))] = None
+    return scheme
+
+
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
+@fuzz(N_PARITY)
+@given(near_plain_schemes())
+def test_plain_reading_agrees_with_compressed_tensors(scheme: dict[Any, Any]) -> None:
+    _judge_checked(scheme)
+    COUNTS["parity"] += 1
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        FP8_KV_SCHEME,
+        {**FP8_KV_SCHEME, "strategy": "attn_head"},
+        {**FP8_KV_SCHEME, "observer": "minmax"},
+        {"num_bits": 8, "type": "float"},
+        {"num_bits": 8, "type": "float", "strategy": "attn_head", "symmetric": True},
+        {},
+        {**FP8_KV_SCHEME, "type": "int"},
+        {**FP8_KV_SCHEME, "strategy": "channel"},
+        {**FP8_KV_SCHEME, "symmetric": False},
+        {**FP8_KV_SCHEME, "dynamic": True},
+        {**FP8_KV_SCHEME, "dynamic": True, "strategy": "token", "observer": "memoryless"},
+    ],
+)
+def test_plain_reading_answers_llm_compressor_schemes(scheme: dict[str, Any]) -> None:
+    """What llm-compressor writes (and one field off) is read without compressed-tensors,
+    with the library's verdict."""
+    assert scheme_module._plain_args(scheme) is not None
+    assert _check_parity(scheme, judge_kv_cache_scheme(scheme))
+
+
+@pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
+def test_parity_budget_ran() -> None:
+    assert COUNTS["parity"] >= N_PARITY, COUNTS
+    # Both readings were exercised: the plain one answered, the library took the rest.
+    assert COUNTS["scheme:plain"] >= N_PARITY // 5, COUNTS
+    assert COUNTS["scheme:library"] >= N_PARITY // 5, COUNTS
 
 
 HOSTILE_FIELD_VALUES = (None, "", [], {}, -1, 2**64, math.nan, math.inf, "tensor", True, b"x")

@@ -13,6 +13,11 @@ JSON, overlapping tensors, gaps or trailing bytes in the data section -- what th
 safetensors library refuses -- and an index naming a missing shard or disagreeing with
 its shards) must be exit 2.
 
+Every case also runs through inspect's former torch path (``kvscale_testing.
+inspect_reference``: scale tensors decoded by torch, every scheme parsed by
+compressed-tensors): the output (status, stdout, stderr; ``--json`` and text) must be the
+same, byte for byte.
+
 Counts of cases (inspect runs) per kind of damage are printed at the end of the module.
 """
 
@@ -32,6 +37,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvscale_testing.inspect_reference import torch_path
 
 from kvscale_plugin.inspection import run_inspect
 from kvscale_plugin.scheme import FP8_KV_SCHEME
@@ -440,6 +446,14 @@ def _run(root: Path, as_json: bool, host: str) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
+def _same_as_torch_path(root: Path, as_json: bool, host: str, got: tuple[int, str, str]) -> None:
+    """The former torch path prints exactly ``got`` for this checkpoint."""
+    with torch_path():
+        reference = _run(root, as_json, host)
+    COUNTS["torch_path"] += 1
+    assert got == reference
+
+
 def _no_constants(name: str) -> None:
     raise AssertionError(f"non-standard JSON constant {name}")
 
@@ -460,6 +474,7 @@ def test_inspect_hostile_checkpoints(
     host = data.draw(st.sampled_from(["vllm", "vllm", "sglang"]))
     status, out, err = _run(root, True, host)
     COUNTS[kind] += 1
+    _same_as_torch_path(root, True, host, (status, out, err))
     assert status in (0, 1, 2)
     doc = json.loads(out, parse_constant=_no_constants)
     assert doc["exit_status"] == status and doc["schema_version"] == 1
@@ -472,14 +487,16 @@ def test_inspect_hostile_checkpoints(
         assert status == 2, (kind, config, doc.get("problems"))
     OUTCOMES[f"{kind}->{status}"] += 1
     # The text table over the same input: same status, no exception.
-    text_status, _, _ = _run(root, False, host)
+    text = _run(root, False, host)
     COUNTS["text:" + ("fatal" if FATAL[kind] else "readable")] += 1
-    assert text_status == status
+    _same_as_torch_path(root, False, host, text)
+    assert text[0] == status
 
 
 @pytest.mark.slow  # the full fuzz budget: `make test`, not `make test-fast`
 def test_budget_ran() -> None:
     assert sum(COUNTS.values()) >= N_CHECKPOINTS * 1.8, COUNTS
+    assert COUNTS["torch_path"] >= N_CHECKPOINTS * 2, COUNTS
 
 
 # ------------------------------------------------------------------ named cases
@@ -574,3 +591,42 @@ def test_float16_scheme_is_reported_not_raised(tmp_path: Path) -> None:
     status, _, _ = _run(root, True, "vllm")
     COUNTS["named"] += 1
     assert status in (0, 1)
+
+
+ALL_DTYPES = (*TORCH_DTYPES, "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "U16", "U32", "U64")
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+@pytest.mark.parametrize("host", ["vllm", "sglang"])
+def test_same_output_as_the_torch_path(tmp_path: Path, strategy: str, host: str) -> None:
+    """Every dtype, hostile values, scalars, per-head shapes and zero points: the former
+    torch path prints the same, byte for byte."""
+    values = [0.0, -1.0, math.nan, math.inf, 1e-45, 1e300, 1e-310, 3.5e38, 0.125, 448.0, 2.5]
+    tensors: dict[str, tuple[str, list[int], bytes]] = {}
+    for i, dtype in enumerate(ALL_DTYPES):
+        layer = f"model.layers.{i}.self_attn"
+        for what, shape in (("k_scale", [1]), ("v_scale", [2, 1, 1]), ("q_scale", [4])):
+            vals = values[len(tensors) % len(values) :] + values
+            tensors[f"{layer}.{what}"] = (dtype, shape, encode(dtype, shape, vals))
+        tensors[f"{layer}.v_zero_point"] = (dtype, [], encode(dtype, [], values[i:]))
+    root = _ckpt(tmp_path, tensors)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["num_hidden_layers"] = len(ALL_DTYPES)
+    cfg["quantization_config"]["kv_cache_scheme"]["strategy"] = strategy
+    (root / "config.json").write_text(json.dumps(cfg))
+    for as_json in (True, False):
+        got = _run(root, as_json, host)
+        assert got[0] == 1 and "corrupt_value" in got[1], got
+        _same_as_torch_path(root, as_json, host, got)
+
+
+@pytest.mark.parametrize("architectures", [[[None]], [{"a": 1}], [5], []])
+def test_odd_architectures_are_no_architecture(tmp_path: Path, architectures: Any) -> None:
+    """Found by the fuzzer: a list as ``architectures[0]`` raised TypeError (unhashable)."""
+    root = _ckpt(tmp_path, GOOD)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["architectures"] = architectures
+    (root / "config.json").write_text(json.dumps(cfg))
+    status, out, _ = _run(root, True, "vllm")
+    COUNTS["named"] += 1
+    assert status == 0, out

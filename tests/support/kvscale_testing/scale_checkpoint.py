@@ -9,7 +9,10 @@ from pathlib import Path
 from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 
-def scale_only_checkpoint(path: Path, *, k: float = 0.5, v: float = 0.25) -> Path:
+def scale_only_checkpoint(
+    path: Path, *, k: float = 0.5, v: float = 0.25, strategy: str = "tensor"
+) -> Path:
+    """``strategy="attn_head"``: per-head scales, ``[2, 1, 1]`` (2 KV heads)."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -25,12 +28,14 @@ def scale_only_checkpoint(path: Path, *, k: float = 0.5, v: float = 0.25) -> Pat
             "quant_method": "compressed-tensors",
             "config_groups": {},
             "format": "dense",
-            "kv_cache_scheme": FP8_KV_SCHEME,
+            "kv_cache_scheme": {**FP8_KV_SCHEME, "strategy": strategy},
         },
     }
     (path / "config.json").write_text(json.dumps(config))
     tensors = {
-        f"model.layers.{i}.self_attn.{kind}_scale": np.array([value], dtype=np.float32)
+        f"model.layers.{i}.self_attn.{kind}_scale": np.full(
+            [2, 1, 1] if strategy == "attn_head" else [1], value, dtype=np.float32
+        )
         for i in range(2)
         for kind, value in (("k", k), ("v", v))
     }
