@@ -8,32 +8,39 @@ from collections.abc import Iterable
 
 logger = logging.getLogger("kvscale_plugin")
 
-_seen: set[str] = set()
-_lock = threading.Lock()
+
+class Notices:
+    """The causes this process has warned (or told) about, each said once: one per process
+    (``notices``); a test installs a fresh one to hear its own."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, cause: str) -> bool:
+        """Whether ``cause`` is new (from now on it is not)."""
+        with self._lock:
+            if cause in self._seen:
+                return False
+            self._seen.add(cause)
+            return True
+
+
+notices = Notices()
 
 
 def warn_once(cause: str, message: str, *args: object) -> bool:
     """Log ``message`` at WARNING the first time ``cause`` is seen; return whether it was."""
-    with _lock:
-        if cause in _seen:
-            return False
-        _seen.add(cause)
+    if not notices.first(cause):
+        return False
     logger.warning(message, *args, stacklevel=2)
     return True
 
 
-def reset_warnings() -> None:
-    """Forget which causes were warned about (tests, and a new engine in the same process)."""
-    with _lock:
-        _seen.clear()
-
-
 def info_once(cause: str, message: str, *args: object) -> bool:
     """Log ``message`` at INFO the first time ``cause`` is seen; return whether it was."""
-    with _lock:
-        if cause in _seen:
-            return False
-        _seen.add(cause)
+    if not notices.first(cause):
+        return False
     logger.info(message, *args, stacklevel=2)
     return True
 

@@ -88,7 +88,9 @@ class BuiltinRules:
         return None
 
 
-_manager: pluggy.PluginManager | None = None
+#: This process's plugin manager, built on first use (``get_plugin_manager``); a test
+#: that installs None has the installed rule packages discovered again.
+plugin_manager: pluggy.PluginManager | None = None
 _manager_lock = threading.Lock()
 
 
@@ -116,22 +118,15 @@ def _load_third_party(pm: pluggy.PluginManager) -> None:
 
 def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager: built-in rules plus installed rule packages."""
-    global _manager
+    global plugin_manager
     with _manager_lock:
-        if _manager is None:
+        if plugin_manager is None:
             pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
             pm.add_hookspecs(hookspecs)
             pm.register(BuiltinRules(), name="kvscale-builtin")
             _load_third_party(pm)
-            _manager = pm
-        return _manager
-
-
-def reset_plugin_manager() -> None:
-    """Drop the cached manager so installed rule packages are discovered again."""
-    global _manager
-    with _manager_lock:
-        _manager = None
+            plugin_manager = pm
+        return plugin_manager
 
 
 def map_scale_name(name: str, host: str, model_type: str | None = None) -> str | None:

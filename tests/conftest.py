@@ -88,13 +88,13 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from kvscale_testing.tinymodels import TinySpec, build_tiny_checkpoint  # noqa: E402
 
-from kvscale_plugin._log import reset_warnings  # noqa: E402
+from kvscale_plugin import _log  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _fresh_warnings() -> None:
+def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     # warn_once is per process; each test must see its own warnings.
-    reset_warnings()
+    monkeypatch.setattr(_log, "notices", _log.Notices())
 
 
 @pytest.fixture(scope="session")

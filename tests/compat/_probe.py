@@ -124,10 +124,10 @@ def run(args: dict[str, Any], collect: _Collect) -> dict[str, Any]:
     from kvscale_testing.patches import patched_places
     from kvscale_testing.probe import teacher_forced_logprobs, vllm_engine
 
-    from kvscale_plugin._log import reset_warnings
+    from kvscale_plugin import _log
 
     collect.messages = []
-    reset_warnings()  # each run hears its own once-per-cause warnings
+    _log.notices = _log.Notices()  # each run hears its own once-per-cause warnings
     result: dict[str, Any] = {"started": False, "error": None}
     ids = reference_token_ids(args["model"])
     configs = _record_engine_configs()

@@ -41,10 +41,11 @@ def test_naming_zoo_per_family(tiny, family):
 
 
 @needs_fp8_cpu_cache
-def test_third_party_rule_package(tiny, kvscale_warnings):
-    from kvscale_plugin.names import reset_plugin_manager
+def test_third_party_rule_package(tiny, kvscale_warnings, monkeypatch):
+    from kvscale_plugin import names
 
-    reset_plugin_manager()  # rediscover the installed rule packages in this engine
+    # rediscover the installed rule packages in this engine
+    monkeypatch.setattr(names, "plugin_manager", None)
     invented = {}
     for i, (k, v) in enumerate([(2.25, 3.5), (4.75, 5.125)]):
         invented[f"model.layers.{i}.attention.kv_quant.k"] = torch.tensor([k])

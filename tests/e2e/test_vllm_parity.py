@@ -110,7 +110,7 @@ def test_each_engine_in_a_process_hears_its_own_warnings(tiny, caplog):
     ckpt = tiny("scales-missing", num_layers=2, write_scales=False)
     caplog.set_level(logging.WARNING, logger="kvscale_plugin")
     counts = []
-    for _ in range(2):  # no reset_warnings() in between: a notebook / RL trainer
+    for _ in range(2):  # no fresh notices in between: a notebook / RL trainer
         with vllm_engine(ckpt, quantization="kvscale"):
             pass
         counts.append(sum("no k_scale/v_scale tensors" in r.getMessage() for r in caplog.records))

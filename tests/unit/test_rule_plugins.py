@@ -8,14 +8,14 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from kvscale_plugin.names import get_plugin_manager, map_scale_name, reset_plugin_manager
+from kvscale_plugin import names
+from kvscale_plugin.names import get_plugin_manager, map_scale_name
 
 
 @pytest.fixture
-def fresh_manager():
-    reset_plugin_manager()
-    yield get_plugin_manager
-    reset_plugin_manager()
+def fresh_manager(monkeypatch):
+    monkeypatch.setattr(names, "plugin_manager", None)  # built again on first use
+    return get_plugin_manager
 
 
 def _installed() -> set[str]:
