@@ -45,6 +45,7 @@ between them and the host's own write (vLLM: ``KVSCALE_CPU_FP8_WRITE``).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,19 +65,14 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # dimensioned fp32 tensor promotes to fp32, so one ``div`` computes
 # ``x.float() / s`` exactly (``write_planned`` divides fp32 scratch in place by
 # the [1, 2, 1, 1] pair). Bounded: scales change only on a weight reload.
-_scale_tensors: dict[tuple[float, ...], torch.Tensor] = {}
 _MAX_ENTRIES = 4096
 
 
+@functools.lru_cache(maxsize=_MAX_ENTRIES)
 def _scale_tensor(*scales: float) -> torch.Tensor:
     """``[1]`` for one scale; ``[1, 2, 1, 1]`` for a (K, V) pair."""
-    t = _scale_tensors.get(scales)
-    if t is None:
-        if len(_scale_tensors) >= _MAX_ENTRIES:
-            _scale_tensors.clear()
-        shape = (1,) if len(scales) == 1 else (1, len(scales), 1, 1)
-        t = _scale_tensors[scales] = torch.tensor(scales, dtype=torch.float32).view(shape)
-    return t
+    shape = (1,) if len(scales) == 1 else (1, len(scales), 1, 1)
+    return torch.tensor(scales, dtype=torch.float32).view(shape)
 
 
 def _saturate_(y: torch.Tensor) -> torch.Tensor:
@@ -179,24 +175,17 @@ def cache_target(kv_cache: torch.Tensor, layout: str = "vec") -> CacheTarget:
 # Per geometry: (the byte offset of element (h, d) of a token's K ([0]) and V ([1])
 # from the token's start, [1, 2, num_heads, head_size]; the factors that turn a
 # token's offset in its block into the starts of its K column and V row, [1, 2]).
-_geometry_tensors: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.lru_cache(maxsize=_MAX_ENTRIES)
 def _geometry_tensors_for(
     geometry: tuple[int, int, int, int, int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    found = _geometry_tensors.get(geometry)
-    if found is None:
-        block_size, num_heads, head_size, _, stride_head = geometry
-        if len(_geometry_tensors) >= _MAX_ENTRIES:
-            _geometry_tensors.clear()
-        h = torch.arange(num_heads, dtype=torch.int64).view(num_heads, 1) * stride_head
-        d = torch.arange(head_size, dtype=torch.int64).view(1, head_size)
-        k = h + d * block_size  # K transposed: d * block_size + t
-        v = h + block_size * head_size + d  # V: block_size * head_size + t * head_size + d
-        per_offset = torch.tensor([[1, head_size]], dtype=torch.int64)
-        found = _geometry_tensors[geometry] = (torch.stack((k, v)).unsqueeze(0), per_offset)
-    return found
+    block_size, num_heads, head_size, _, stride_head = geometry
+    h = torch.arange(num_heads, dtype=torch.int64).view(num_heads, 1) * stride_head
+    d = torch.arange(head_size, dtype=torch.int64).view(1, head_size)
+    k = h + d * block_size  # K transposed: d * block_size + t
+    v = h + block_size * head_size + d  # V: block_size * head_size + t * head_size + d
+    per_offset = torch.tensor([[1, head_size]], dtype=torch.int64)
+    return torch.stack((k, v)).unsqueeze(0), per_offset
 
 
 def plan_write(slot_mapping: torch.Tensor, geometry: tuple[int, int, int, int, int]) -> WritePlan:

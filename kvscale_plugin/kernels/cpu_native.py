@@ -65,9 +65,17 @@ NATIVE_FLAGS = ("-march=native",)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+class Decision(NamedTuple):
+    """What ``load()`` decided in this process: the module, or None and why not."""
+
+    module: ModuleType | None
+    failure: str | None = None
+
+
+#: This process's decision, made on first use; a test installs None to decide again.
+decision: Decision | None = None
 _lock = threading.Lock()
-_loaded: list[ModuleType | None] = []  # [module] or [None] once decided in this process
-_failure: list[str] = []
 
 
 def _compiler() -> list[str] | None:
@@ -233,65 +241,58 @@ def _import(path: Path) -> ModuleType:
 def load() -> ModuleType | None:
     """The compiled module (built on first use), or None when it cannot be built here
     (the reason is logged once and kept in ``failure()``). Decided once per process."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if _loaded:
-            return _loaded[0]
-        module = None
-        try:
-            compiler = _compiler()
-            if compiler is None:
-                raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-            unwritable = []
-            for base in _build_dirs():
-                path = _target_path(compiler, base)
-                try:
-                    if not path.is_file():
-                        logger.info(
-                            "kvscale: compiling the CPU FP8 cache write into %s", path.parent
-                        )
-                        _build(compiler, path)
-                    break
-                except OSError as exc:  # a folder that cannot be written: the next one
-                    unwritable.append(f"{base}: {exc}")
-            else:
-                raise RuntimeError("no folder to build in: " + "; ".join(unwritable))
-            _check_private(path)
+    global decision
+    if decision is None:
+        with _lock:
+            if decision is None:
+                decision = _decide()
+    return decision.module
+
+
+def _decide() -> Decision:
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+        unwritable = []
+        for base in _build_dirs():
+            path = _target_path(compiler, base)
             try:
-                candidate = _import(path)
-            except (ImportError, OSError) as exc:  # a damaged file: build it once more
-                logger.info("kvscale: rebuilding %s (%s)", path, exc)
-                _build(compiler, path)
-                candidate = _import(path)
-            candidate.setup(torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
-            _self_test(candidate)
-            module = candidate
-        except Exception as exc:  # noqa: BLE001 - any failure: the torch write instead
-            _failure.append(f"{type(exc).__name__}: {exc}")
-            warn_once(
-                "cpu-native-build",
-                "kvscale: the compiled CPU FP8 cache write is not available (%s); the "
-                "plain-torch write is used (same bytes, slower at decode sizes). For the "
-                "compiled one, set CC to a working C compiler (Python's headers "
-                "installed); KVSCALE_CPU_FP8_WRITE=rne-torch selects the plain-torch "
-                "write without this warning.",
-                _failure[-1],
-            )
-        _loaded.append(module)
-        return module
+                if not path.is_file():
+                    logger.info("kvscale: compiling the CPU FP8 cache write into %s", path.parent)
+                    _build(compiler, path)
+                break
+            except OSError as exc:  # a folder that cannot be written: the next one
+                unwritable.append(f"{base}: {exc}")
+        else:
+            raise RuntimeError("no folder to build in: " + "; ".join(unwritable))
+        _check_private(path)
+        try:
+            candidate = _import(path)
+        except (ImportError, OSError) as exc:  # a damaged file: build it once more
+            logger.info("kvscale: rebuilding %s (%s)", path, exc)
+            _build(compiler, path)
+            candidate = _import(path)
+        candidate.setup(torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+        _self_test(candidate)
+        return Decision(candidate)
+    except Exception as exc:  # noqa: BLE001 - any failure: the torch write instead
+        failure = f"{type(exc).__name__}: {exc}"
+        warn_once(
+            "cpu-native-build",
+            "kvscale: the compiled CPU FP8 cache write is not available (%s); the "
+            "plain-torch write is used (same bytes, slower at decode sizes). For the "
+            "compiled one, set CC to a working C compiler (Python's headers "
+            "installed); KVSCALE_CPU_FP8_WRITE=rne-torch selects the plain-torch "
+            "write without this warning.",
+            failure,
+        )
+        return Decision(None, failure)
 
 
 def failure() -> str | None:
     """Why ``load()`` returned None in this process (None if it did not)."""
-    return _failure[-1] if _failure else None
-
-
-def _forget() -> None:
-    """Decide again at the next ``load()`` (tests)."""
-    with _lock:
-        _loaded.clear()
-        _failure.clear()
+    return decision.failure if decision is not None else None
 
 
 class NativeTarget(NamedTuple):

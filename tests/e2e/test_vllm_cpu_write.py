@@ -511,30 +511,23 @@ def test_without_a_compiler_the_torch_write_serves(checkpoint, kvscale_warnings,
     from kvscale_plugin.kernels import cpu_native
 
     monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
-    cpu_native._forget()
-    try:
-        with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
-            warm(llm)
-            layers = attention_layers(llm)
-            assert all(
-                route(layer) == {MODEL_TORCH_DTYPE: "torch:vec"} for layer in layers.values()
-            )
-            for layer in layers.values():
-                cache = layer_cache(layer)
-                nb, nh, bs, two_hs = cache.shape
-                ks, vs = layer._k_scale_float, layer._v_scale_float
-                key, value = crafted_kv(
-                    2 * bs, nh, two_hs // 2, MODEL_TORCH_DTYPE, ks, specials=True
-                )
-                slots = torch.randperm(nb * bs)[: 2 * bs]
-                slots[::5] = -1
-                expected = expected_cache(cache, key, value, slots, ks, vs)
-                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
-                assert_same_fp8(cache, expected)
-        (message,) = kvscale_warnings("compiled CPU FP8 cache write is not available")
-        assert "no C compiler found" in message
-    finally:
-        cpu_native._forget()
+    monkeypatch.setattr(cpu_native, "decision", None)  # decided again (restored after)
+    with write_mode(None), vllm_engine(checkpoint(64), quantization="kvscale") as llm:
+        warm(llm)
+        layers = attention_layers(llm)
+        assert all(route(layer) == {MODEL_TORCH_DTYPE: "torch:vec"} for layer in layers.values())
+        for layer in layers.values():
+            cache = layer_cache(layer)
+            nb, nh, bs, two_hs = cache.shape
+            ks, vs = layer._k_scale_float, layer._v_scale_float
+            key, value = crafted_kv(2 * bs, nh, two_hs // 2, MODEL_TORCH_DTYPE, ks, specials=True)
+            slots = torch.randperm(nb * bs)[: 2 * bs]
+            slots[::5] = -1
+            expected = expected_cache(cache, key, value, slots, ks, vs)
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+            assert_same_fp8(cache, expected)
+    (message,) = kvscale_warnings("compiled CPU FP8 cache write is not available")
+    assert "no C compiler found" in message
 
 
 @needs_fp8_cpu_cache

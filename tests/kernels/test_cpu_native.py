@@ -35,11 +35,9 @@ def module():
 
 @pytest.fixture
 def rebuild(monkeypatch):
-    """A fresh decision in this process (restored after the test)."""
-    cpu_native._forget()
-    yield monkeypatch
-    monkeypatch.undo()
-    cpu_native._forget()
+    """A fresh decision in this process (the earlier one restored after the test)."""
+    monkeypatch.setattr(cpu_native, "decision", None)
+    return monkeypatch
 
 
 def write_and_read(module, values: torch.Tensor, scale: float, *, heads=4, head_size=64):
@@ -233,7 +231,7 @@ def test_a_folder_others_can_write_is_not_loaded_from(module, rebuild, tmp_path)
     rebuild.setenv(cpu_native.DIR_ENV, str(tmp_path))
     assert cpu_native.load() is not None  # built there
     path = cpu_native._target_path(cpu_native._compiler(), tmp_path)
-    cpu_native._forget()
+    cpu_native.decision = None  # decide again (the fixture restores the earlier one)
     path.parent.chmod(0o777)
     try:
         assert cpu_native.load() is None
