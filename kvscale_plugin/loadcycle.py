@@ -320,6 +320,10 @@ class Cycle:
         self._processed: dict[str, tuple[str, ResolvedScales, str]] = {}
         self._refused: tuple[CorruptScales, CorruptScales] | None = None
         self.verdict = Verdict()
+        # How many times the host loaded the model's weights (0 after a dummy load: SGLang
+        # counts them); whether the entry point running the cycle reports its verdict.
+        self.weight_loads = 0
+        self.caller_reports = False
 
     def record(self, name: str, layer: object, **fields: Any) -> LayerRecord:
         """A new record for ``layer``, registered under ``name`` and kept on the layer

@@ -152,14 +152,14 @@ def test_changed_parameters_raise_and_every_problem_is_listed(monkeypatch):
 
 @pytest.fixture
 def unregistered(monkeypatch):
-    """SGLang as before kvscale's register() ran (restored afterwards): the once-only flag
-    down, ``kvscale`` out of the quantization registries and the CLI choices."""
+    """SGLang as before kvscale's register() ran (restored afterwards): no host state
+    (``state.host``), ``kvscale`` out of the quantization registries and the CLI choices."""
     from sglang.srt.arg_groups import choices
     from sglang.srt.layers.quantization import CPU_QUANTIZATION_METHODS, QUANTIZATION_METHODS
 
     from kvscale_plugin.hosts import sglang as host
 
-    monkeypatch.setattr(host, "_registered", False)
+    monkeypatch.setattr(host.state, "host", None)
     monkeypatch.delitem(QUANTIZATION_METHODS, "kvscale")
     monkeypatch.delitem(CPU_QUANTIZATION_METHODS, "kvscale")
     saved = list(choices.QUANTIZATION_CHOICES)
@@ -192,7 +192,7 @@ def test_register_refuses_before_registering_anything(unregistered, monkeypatch,
         unregistered.register()
         assert _kvscale_offered() == {"methods": False, "cpu_methods": False, "choices": False}
         assert _hook_counts() == hooks_before
-        assert unregistered._registered is False
+        assert unregistered.state.host is None
     said = kvscale_warnings("could not hook into SGLang")
     assert len(said) == 1, said
     assert "Qwen3MoeAttention.__init__: AttributeError" in said[0]

@@ -18,18 +18,15 @@ SGLang is imported only inside it. The package splits by how the code ages:
 
 from __future__ import annotations
 
-import threading
-
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import logger
+from kvscale_plugin._log import logger, warn_once
+from kvscale_plugin.hosts.sglang import state
+from kvscale_plugin.hosts.sglang.state import SGLangHost
 from kvscale_plugin.releases import SGLANG_RUN, SGLANG_STATIC
 
 #: SGLang releases this adapter is tested against (``kvscale_plugin.releases``): the full
 #: suite runs on the first, every patch target is checked in the others' sources.
 TESTED_SGLANG_VERSIONS, STATIC_SGLANG_VERSIONS = SGLANG_RUN, SGLANG_STATIC
-
-_registered = False
-_lock = threading.Lock()
 
 
 def register() -> None:
@@ -45,15 +42,12 @@ def register() -> None:
     plugin loader would log it, but a plugin must not rely on that); safe to call any
     number of times, in any process.
     """
-    global _registered
-    with _lock:
-        if _registered:
+    with state.lock:
+        if state.host is not None:
             return
         try:
-            _register()
+            registered = _register()
         except Exception as exc:  # noqa: BLE001 - never break the host
-            from kvscale_plugin._log import warn_once
-
             warn_once(
                 f"sglang-register:{type(exc).__name__}",
                 "kvscale: could not hook into SGLang (%s: %s); SGLang runs as if "
@@ -62,13 +56,13 @@ def register() -> None:
                 exc,
             )
             return
-        _registered = True
+        state.host = registered
         logger.debug(
             "kvscale: registered quantization method '%s' with SGLang", QUANTIZATION_METHOD
         )
 
 
-def _register() -> None:
+def _register() -> SGLangHost:
     import sglang
 
     from kvscale_plugin.hosts._common import base_version, import_adapter
@@ -82,7 +76,5 @@ def _register() -> None:
     patches.check_targets()
     method.register_quantization()
     # The HookRegistry patches go in only in a process that builds a kvscale model (when
-    # its ModelConfig claims the checkpoint for kvscale, before the model is built):
-    # everywhere else SGLang runs its own code.
-    if patches.register_hooks not in method.ACTIVATORS:
-        method.ACTIVATORS.append(patches.register_hooks)
+    # its ModelConfig claims the checkpoint for kvscale, before the model is built).
+    return SGLangHost(activate=patches.register_hooks)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
+from kvscale_plugin.hosts.sglang import state
 from kvscale_plugin.hosts.sglang.backends import (
     BackendAction,
     BackendVerdict,
@@ -78,17 +78,13 @@ _SCALE_NAMES = ("k_scale", "v_scale")
 PLACEHOLDER_ATTR = "kvscale_placeholder"
 
 
-#: What a process that builds a kvscale model installs first (the entry point puts
-#: ``patches.register_hooks`` here): an SGLang process that never builds one keeps SGLang's
-#: own code.
-ACTIVATORS: list[Callable[[], None]] = []
-
-
 def activate() -> None:
-    """Install what a kvscale model needs in this process (idempotent)."""
+    """Install what a kvscale model needs in this process (idempotent): the registered
+    host's patches (``state.host``); a process that never builds a kvscale model
+    keeps SGLang's own code."""
     quiet_unoptimized_notice()
-    for activator in ACTIVATORS:
-        activator()
+    if state.host is not None:
+        state.host.activate()
 
 
 class _NotWeightQuantization(logging.Filter):
@@ -142,12 +138,6 @@ class KVScaleConfig(CompressedTensorsConfig):
         # SGLang parameter name -> the checkpoint tensor it was loaded from (as on disk):
         # errors name the file's tensor (filled by patches' name mapping).
         self.checkpoint_names: dict[str, str] = {}
-        # How many times the model's load_weights ran (0 after a dummy load); counted
-        # by the load_weights wrapper that patches.py installs.
-        self.weight_loads = 0
-        # True while an entry point that reports the cycle's verdict itself
-        # (update_weights_from_disk: patches.py) is running.
-        self.caller_reports_refusal = False
         # Layers that read another layer's cache: what their own checkpoint scales were.
         self.shared = SharedLayers()
         # The layers' records (what each cycle loaded, refused and serves), the INFO line
@@ -316,7 +306,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         # refusals. No load through load_weights yet (a dummy load, e.g. for RL: the real
         # weights come with a later reload): no checkpoint to miss scales from.
         outcome = cfg.cycle.judge(
-            record, serves=applies, expects_scales=cfg.weight_loads > 0, fnuz=is_fp8_fnuz()
+            record, serves=applies, expects_scales=cfg.cycle.weight_loads > 0, fnuz=is_fp8_fnuz()
         )
         if outcome.action is Action.REFUSE:
             raise CorruptScaleError(cfg.cycle.verdict.refused.message())
@@ -348,7 +338,7 @@ def _end_cycle(cfg: KVScaleConfig) -> None:
             _write_scales(layer, record, resolved)
     for i, message in enumerate(cfg.shared.warnings()):
         warn_once(f"sglang-shared-kv-{i}", "%s", message)
-    if not cfg.caller_reports_refusal:
+    if not cfg.cycle.caller_reports:
         refused = report_verdict(cfg)
         if refused:
             # A weight-update session (update_weights_from_tensor / _distributed, closed by

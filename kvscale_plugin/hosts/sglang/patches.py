@@ -224,7 +224,7 @@ def _install_name_mapping(
             else None
         )
         mtp = MtpLayers(num_hidden_layers, draft_layers, declared_mtp)
-        cfg.weight_loads += 1
+        cfg.cycle.weight_loads += 1
         token = _ACTIVE_CONFIG.set(cfg)
         try:
             unmapped: set[str] = set()
@@ -309,11 +309,11 @@ def _hook_update_weights_from_disk(
     cfg = getattr(get_model() if callable(get_model) else None, "quant_config", None)
     if not isinstance(cfg, KVScaleConfig):
         return original(updater, *args, **kwargs)
-    cfg.caller_reports_refusal = True
+    cfg.cycle.caller_reports = True
     try:
         result = original(updater, *args, **kwargs)
     finally:
-        cfg.caller_reports_refusal = False
+        cfg.cycle.caller_reports = False
     refused = report_verdict(cfg)
     if refused and isinstance(result, tuple) and result and result[0]:
         return False, refused
