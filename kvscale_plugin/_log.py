@@ -20,10 +20,9 @@ class Notices:
     def first(self, cause: str) -> bool:
         """Whether ``cause`` is new (from now on it is not)."""
         with self._lock:
-            if cause in self._seen:
-                return False
+            new = cause not in self._seen
             self._seen.add(cause)
-            return True
+        return new
 
 
 notices = Notices()
