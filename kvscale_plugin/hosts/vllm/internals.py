@@ -467,15 +467,6 @@ def problem(internal: Internal) -> str | None:
     )
 
 
-def _on_cpu() -> bool:
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # noqa: BLE001 - no platform: nothing CPU-only is checked
-        return False
-
-
 @dataclass
 class Report:
     """What ``check`` found: per feature, the problems of its required targets."""
@@ -491,13 +482,13 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
 
     Every feature needs ``scales``; without it all are reported lost."""
     problems: dict[str, list[str]] = {f: [] for f in FEATURES}
-    on_cpu: bool | None = None
+    cpu: bool | None = None
     for internal in INTERNALS if internals is None else internals:
         if internal.lazy or not internal.required:
             continue
         if internal.cpu_only:
-            on_cpu = _on_cpu() if on_cpu is None else on_cpu
-            if not on_cpu:
+            cpu = on_cpu() if cpu is None else cpu
+            if not cpu:
                 continue
         if (why := problem(internal)) is not None:
             problems[internal.feature].append(f"{internal.target} ({internal.purpose}): {why}")
@@ -518,6 +509,7 @@ from kvscale_plugin.hosts.vllm.patching import (  # noqa: E402
     replace_item,
     transaction,
 )
+from kvscale_plugin.hosts.vllm.runtime import on_cpu  # noqa: E402
 
 __all__ = ["INTERNALS", "PATCHED", "Internal", "check", "replace", "replace_item", "transaction"]
 

@@ -10,7 +10,6 @@ start-up load's verdict is reported at the cycle's end, a reload's by ``reload.c
 
 from __future__ import annotations
 
-import functools
 import re
 import uuid
 import weakref
@@ -44,10 +43,15 @@ from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale
 from kvscale_plugin.hosts.vllm.reload import report_verdict
+from kvscale_plugin.hosts.vllm.runtime import (
+    explicit_fp8_cache,
+    is_dummy_load,
+    keeps_placeholders,
+    pipeline_parallel,
+)
 from kvscale_plugin.hosts.vllm.scalepaths import (
     UNMAPPED_PREFIX,
     ScaleRenaming,
-    pipeline_parallel,
     start_recording,
     stop_recording,
 )
@@ -214,7 +218,7 @@ class KVScaleConfig(CompressedTensorsConfig):
 
     def get_cache_scale_mapper(self) -> WeightsMapper:  # type: ignore[override]
         stock = QuantizationConfig.get_cache_scale_mapper()
-        if not (self.kv_verdict.declared or _explicit_fp8_cache()):
+        if not (self.kv_verdict.declared or explicit_fp8_cache()):
             return stock
         # One renaming per load (its model paths are read at the load's first scale name).
         ours = WeightsMapper(
@@ -249,7 +253,7 @@ class KVScaleConfig(CompressedTensorsConfig):
             if (
                 self.fp8_cache_unavailable
                 and getattr(layer, "kv_cache_dtype", None) == "auto"
-                and not _explicit_fp8_cache()
+                and not explicit_fp8_cache()
             ):
                 warn_once(self.warn_scope + "fp8-cache-unavailable", DEGRADED)
             if not self.kv_verdict.declared and not is_quantized_kv_cache(
@@ -364,7 +368,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             record,
             serves=applies,
             reads_q=reads_q_scale(layer),
-            expects_scales=cfg.kv_verdict.declared and not _is_dummy_load(),
+            expects_scales=cfg.kv_verdict.declared and not is_dummy_load(),
             fnuz=fnuz,
         )
         if outcome.action is Action.REFUSE:
@@ -431,7 +435,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         0.34 they stay, because its direct reload (``VLLM_RELOAD_MODE=direct``) loads the
         checkpoint into them again."""
         record.loaded.clear()
-        if _keeps_placeholders():
+        if keeps_placeholders():
             return
         for name in (*_SCALE_NAMES, *ZERO_POINT_NAMES):
             if hasattr(layer, name):
@@ -450,40 +454,8 @@ def _reached(
     return load
 
 
-def _is_dummy_load() -> bool:
-    # A dummy load (RL / benchmarking) carries no scales by design; the real
-    # weights come later through an in-place reload.
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    return config is not None and str(config.load_config.load_format) == "dummy"
-
-
-def _explicit_fp8_cache() -> bool:
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "auto")
-    return isinstance(dtype, str) and is_quantized_kv_cache(dtype)
-
-
 def _activate() -> None:
     """This process builds a kvscale engine: its features go in now (once per process)."""
     from kvscale_plugin.hosts.vllm.activation import activate
 
     activate()
-
-
-@functools.cache
-def _keeps_placeholders() -> bool:
-    """Whether this vLLM's reload loads into the placeholders again (the direct reload of
-    vLLM >= 0.34), so that post-load processing must keep them (looked up once per
-    process, not per layer and load)."""
-    import importlib.util
-
-    try:
-        return (
-            importlib.util.find_spec("vllm.model_executor.model_loader.reload.direct") is not None
-        )
-    except (ImportError, ValueError):
-        return False
