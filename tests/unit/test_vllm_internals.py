@@ -151,12 +151,18 @@ def test_every_patched_place_says_why_and_a_kvscale_engine_patches_at_most_five(
 
 
 def test_one_feature_table_every_feature_has_its_installer_or_none():
-    """``activation.INSTALLERS`` lists exactly the features of ``internals.FEATURES`` but
-    the core, in the same order; None only for features nothing installs up front."""
+    """``internals.FEATURES`` names each feature's installer (a function of the package);
+    none only for the core and the features nothing installs up front."""
     from kvscale_plugin.hosts.vllm import activation
 
-    assert list(activation.INSTALLERS) == [f for f in internals.FEATURES if f != "scales"]
-    assert {f for f, install in activation.INSTALLERS.items() if install is None} == {
+    assert [f for f in internals.FEATURES if activation.installer(f)] == [
+        "name-parity",
+        "reload-check",
+        "cpu-write",
+        "custom-backend",
+    ]
+    assert {f for f in internals.FEATURES if activation.installer(f) is None} == {
+        "scales",
         "mtp-drafts",
         "deployment-check",
     }

@@ -7,6 +7,7 @@ kvscale was not tested with, that it was not). Imported lazily, by the config.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -16,50 +17,14 @@ from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.internals import host_version
 
 
-def _name_parity() -> None:
-    from kvscale_plugin.hosts.vllm.parity import install
+def installer(feature: str) -> Callable[[], Any] | None:
+    """What installs ``feature`` up front (``catalogue.Feature.install``), or None."""
+    path = internals.FEATURES[feature].install
+    if not path:
+        return None
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
-    install()
-
-
-def _reload_check() -> None:
-    """The worker's reload entry points, where its module is loaded already (else when the
-    KV method builds the first attention layer: ``reload.ensure_worker_wrappers``)."""
-    from kvscale_plugin.hosts.vllm.reload import install_worker_wrappers
-
-    install_worker_wrappers()
-
-
-def _cpu_write() -> bool:
-    """On vLLM's CPU platform only; each kvscale layer's impl takes kvscale's write as the
-    KV method processes it (``cpu_write.serve_layer``)."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
-def _custom_backend() -> bool:
-    from kvscale_plugin.hosts.vllm.backend import register_backend
-
-    return register_backend()
-
-
-#: Every feature of ``internals.FEATURES`` but the core (``scales``, registered in every
-#: process), in order, with what installs it here: a function (one returning False did not
-#: apply here, e.g. the CPU write on a GPU platform: not installed, not lost), or None where
-#: nothing is installed now and the feature is a flag its own code reads
-#: (``internals.installed``): ``mtp-drafts`` -- the config installs the draft loader's
-#: routing once the model declares MTP layers (``mtp.ensure_draft_routing``), so an engine
-#: without a draft never gets it; ``deployment-check`` -- the KV method runs the check
-#: (``deployment.check_deployment``). tests/unit/test_vllm_internals.py keeps the keys equal.
-INSTALLERS: dict[str, Callable[[], Any] | None] = {
-    "name-parity": _name_parity,
-    "reload-check": _reload_check,
-    "mtp-drafts": None,
-    "cpu-write": _cpu_write,
-    "custom-backend": _custom_backend,
-    "deployment-check": None,
-}
 
 _lock = threading.RLock()
 _lost: dict[str, str] | None = None
@@ -76,7 +41,7 @@ def activate(report: internals.Report | None = None) -> dict[str, str]:
         try:
             _lost = install_all(report)
         except Exception as exc:  # noqa: BLE001 - never break the engine's start for this
-            _lost = {f: f"{type(exc).__name__}: {exc}" for f in INSTALLERS}
+            _lost = {f: f"{type(exc).__name__}: {exc}" for f in internals.FEATURES if f != "scales"}
             _announce(host_version(), _lost)
         return _lost
 
@@ -88,15 +53,16 @@ def install_all(report: internals.Report | None = None) -> dict[str, str]:
     version = host_version()
     report = internals.check() if report is None else report
     lost: dict[str, str] = {}
-    for feature, installer in INSTALLERS.items():
-        if feature in internals.installed:
+    for feature in internals.FEATURES:
+        if feature == "scales" or feature in internals.installed:
             continue
         if not report.available(feature):
             lost[feature] = "; ".join(report.problems[feature])
             continue
         try:
             with internals.transaction():
-                applied = None if installer is None else installer()
+                install = installer(feature)
+                applied = None if install is None else install()
         except Exception as exc:  # noqa: BLE001 - costs this feature only (rolled back)
             lost[feature] = f"{type(exc).__name__}: {exc}"
             continue
@@ -129,6 +95,6 @@ def _announce(version: str, lost: dict[str, str]) -> None:
             "kvscale: on vLLM %s this feature is unavailable: %s. Cause: %s. Everything "
             "else kvscale does is unaffected.",
             version,
-            internals.FEATURES[feature],
+            internals.FEATURES[feature].what,
             why,
         )
