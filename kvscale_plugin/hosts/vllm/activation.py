@@ -26,6 +26,34 @@ def installer(feature: str) -> Callable[[], Any] | None:
     return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
+def ensure(feature: str, install: Callable[[], Any], cause: str, lost: str) -> Any:
+    """Where ``feature`` is installed in this process: ``install()`` (idempotent: called
+    again each time), all or nothing; returns what it returns. Never raises: a failure costs
+    that part of ``feature`` only, said once (``lost`` % (exception type, exception))."""
+    if feature not in internals.installed:
+        return None
+    try:
+        with internals.transaction():
+            return install()
+    except Exception as exc:  # noqa: BLE001 - costs this part of the feature only
+        warn_once(cause, lost, type(exc).__name__, exc)
+        return None
+
+
+def layer_built() -> None:
+    """As kvscale's KV method builds each attention layer (in an engine's worker process, by
+    then; idempotent, cheap): the features that go in there -- the reload check's worker
+    entry points, the Gemma-4 assistant drafter following its target's layers, and, in an
+    engine spanning several nodes, the check that every rank serves with kvscale."""
+    from kvscale_plugin.hosts.vllm.deployment import check_deployment
+    from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
+    from kvscale_plugin.hosts.vllm.shared import ensure_assistant_sync
+
+    ensure_worker_wrappers()
+    ensure_assistant_sync()
+    check_deployment()
+
+
 _lock = threading.RLock()
 _lost: dict[str, str] | None = None
 

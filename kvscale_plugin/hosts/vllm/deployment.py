@@ -117,40 +117,41 @@ def check_ranks(
     return records
 
 
+def _store() -> tuple[_Store, int, int]:
+    """The engine's torch.distributed store, this rank and the world size."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+
+
 _checked: list[bool] = []  # once per process: one engine's workers per process
 
 
 def check_deployment() -> None:
     """Run ``check_ranks`` once in this worker process, when its engine spans several
     nodes (vLLM's ``ParallelConfig.nnodes``) and the ``deployment-check`` feature is
-    installed. Called as kvscale's KV method builds its first layer. A store that cannot
-    be reached costs this check only (one warning)."""
-    from kvscale_plugin.hosts.vllm import internals
-
-    if _checked or "deployment-check" not in internals.installed:
-        return
+    installed. Called as kvscale's KV method builds its first layer
+    (``activation.layer_built``). A store that cannot be reached costs this check only
+    (one warning)."""
     from vllm.config import get_current_vllm_config_or_none
 
-    config = get_current_vllm_config_or_none()
-    parallel = getattr(config, "parallel_config", None)
-    nnodes = getattr(parallel, "nnodes", 1)
-    if not isinstance(nnodes, int) or nnodes <= 1:
-        return
-    import torch.distributed as dist
+    from kvscale_plugin.hosts.vllm.activation import ensure
 
-    _checked.append(True)
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    except Exception as exc:  # noqa: BLE001 - costs this check only
-        warn_once(
-            "deployment-store",
-            "kvscale: could not reach the engine's torch.distributed store (%s: %s); that "
-            "every node serves with kvscale is not checked.",
-            type(exc).__name__,
-            exc,
-        )
+    parallel = getattr(get_current_vllm_config_or_none(), "parallel_config", None)
+    nnodes = getattr(parallel, "nnodes", 1)
+    if _checked or not isinstance(nnodes, int) or nnodes <= 1:
         return
+    _checked.append(True)
+    found = ensure(
+        "deployment-check",
+        _store,
+        "deployment-store",
+        "kvscale: could not reach the engine's torch.distributed store (%s: %s); that "
+        "every node serves with kvscale is not checked.",
+    )
+    if found is None:
+        return
+    store, rank, world_size = found
     record = {
         "version": __version__,
         "node_rank": getattr(parallel, "node_rank", None),

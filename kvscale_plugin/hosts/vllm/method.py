@@ -36,6 +36,7 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
 from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.hosts.vllm.activation import activate, layer_built
 from kvscale_plugin.hosts.vllm.layers import (
     layer_serves_checkpoint_scales,
 )
@@ -57,7 +58,6 @@ from kvscale_plugin.hosts.vllm.scalepaths import (
 )
 from kvscale_plugin.hosts.vllm.served import head_layout, write_kv_scales, write_scales
 from kvscale_plugin.hosts.vllm.shared import (
-    ensure_assistant_sync,
     finish_load_cycle,
     serving,
     sharing_target,
@@ -143,7 +143,7 @@ class KVScaleConfig(CompressedTensorsConfig):
             weakref.WeakValueDictionary()
         )
         self.cycle = self._new_cycle()
-        _activate()
+        activate()
         start_recording(config=self)  # the model is built next: where its attention layers go
 
     # The config travels to the engine-core / worker processes by pickle; the
@@ -158,7 +158,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.__dict__.update(state)
         self._attention_layers = weakref.WeakValueDictionary()
         self.cycle = self._new_cycle()
-        _activate()  # an engine-core / worker process of a kvscale engine
+        activate()  # an engine-core / worker process of a kvscale engine
         start_recording(config=self)
         self._route_drafts()
 
@@ -180,7 +180,7 @@ class KVScaleConfig(CompressedTensorsConfig):
     ) -> str | None:
         claimed = claims_checkpoint(hf_quant_cfg, user_quant)
         if claimed is not None:
-            _activate()  # this process builds a kvscale engine (the front end, first)
+            activate()  # this process builds a kvscale engine (the front end, first)
         return claimed
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Any = None):
@@ -283,15 +283,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
     def create_weights(self, layer: torch.nn.Module) -> None:
         # Called again on every in-place reload: build fresh placeholders each time.
         cfg = self.quant_config
-        # In an engine's worker process, by now: its reload entry points get kvscale's
-        # after-reload check (see reload.install_worker_wrappers; idempotent, cheap).
-        from kvscale_plugin.hosts.vllm.deployment import check_deployment
-        from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
-
-        ensure_worker_wrappers()
-        ensure_assistant_sync()  # Gemma-4's assistant drafter follows its target's layers
-        # An engine spanning several nodes: every rank serves with kvscale (once per process).
-        check_deployment()
+        layer_built()  # the features that go in as the worker builds its layers
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         if layer_name not in cfg._attention_layers:
             start_recording(layer, cfg)  # where the model puts this layer (``scalepaths``)
@@ -452,10 +444,3 @@ def _reached(
         loader(param, loaded_weight, *args)
 
     return load
-
-
-def _activate() -> None:
-    """This process builds a kvscale engine: its features go in now (once per process)."""
-    from kvscale_plugin.hosts.vllm.activation import activate
-
-    activate()
