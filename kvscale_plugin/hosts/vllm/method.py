@@ -221,6 +221,8 @@ class KVScaleConfig(CompressedTensorsConfig):
         if not (self.kv_verdict.declared or explicit_fp8_cache()):
             return stock
         # One renaming per load (its model paths are read at the load's first scale name).
+        if not self.cycle.pending:
+            self.unmapped_scales.clear()  # a new load: the last one's names were reported
         ours = WeightsMapper(
             orig_to_new_renaming=[ScaleRenaming(self)],
             orig_to_new_regex={re.compile("^" + re.escape(UNMAPPED_PREFIX)): None},

@@ -95,6 +95,7 @@ def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
     for cfg in _configs(layers):
         cfg.cycle.take_verdict()
         cfg.mtp_scales_seen.clear()
+        cfg.unmapped_scales.clear()
 
 
 def report_verdict(cfg: EngineConfig, verdict: Verdict) -> None:
