@@ -93,11 +93,11 @@ def test_register_never_raises_and_retries_cleanly(monkeypatch, kvscale_warnings
         calls.append(1)
         raise ImportError("cannot import name 'inplace'")
 
-    monkeypatch.setattr(host, "_registered", False)
+    monkeypatch.setattr(host.HOST, "registered", False)
     monkeypatch.setattr(install, "register_method", broken)
     assert host.register() is None
     assert host.register() is None
-    assert len(calls) == 2 and host._registered is False  # the second attempt is the first
+    assert len(calls) == 2 and host.HOST.registered is False  # the second attempt is the first
     said = kvscale_warnings("could not hook into vLLM")
     assert len(said) == 1 and "cannot import name 'inplace'" in said[0], said
     assert "as if kvscale-plugin were not installed" in said[0]

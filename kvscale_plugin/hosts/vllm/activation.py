@@ -8,13 +8,13 @@ kvscale was not tested with, that it was not). Imported lazily, by the config.
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.internals import host_version
+from kvscale_plugin.hosts.vllm.process import HOST
 
 
 def installer(feature: str) -> Callable[[], Any] | None:
@@ -30,7 +30,7 @@ def ensure(feature: str, install: Callable[[], Any], cause: str, lost: str) -> A
     """Where ``feature`` is installed in this process: ``install()`` (idempotent: called
     again each time), all or nothing; returns what it returns. Never raises: a failure costs
     that part of ``feature`` only, said once (``lost`` % (exception type, exception))."""
-    if feature not in internals.installed:
+    if feature not in HOST.installed:
         return None
     try:
         with internals.transaction():
@@ -54,24 +54,20 @@ def layer_built() -> None:
     check_deployment()
 
 
-_lock = threading.RLock()
-_lost: dict[str, str] | None = None
-
-
 def activate(report: internals.Report | None = None) -> dict[str, str]:
     """In a process that builds a ``-q kvscale`` engine: install every feature whose
     targets hold (once per process; idempotent) and say what is lost. Returns feature ->
     why it is lost (empty when all hold). Never raises."""
-    global _lost
-    with _lock:
-        if _lost is not None and report is None:
-            return _lost
+    with HOST.lock:
+        if HOST.lost is not None and report is None:
+            return HOST.lost
         try:
-            _lost = install_all(report)
+            HOST.lost = install_all(report)
         except Exception as exc:  # noqa: BLE001 - never break the engine's start for this
-            _lost = {f: f"{type(exc).__name__}: {exc}" for f in internals.FEATURES if f != "scales"}
-            _announce(host_version(), _lost)
-        return _lost
+            lost = {f: f"{type(exc).__name__}: {exc}" for f in internals.FEATURES if f != "scales"}
+            HOST.lost = lost
+            _announce(host_version(), lost)
+        return HOST.lost
 
 
 def install_all(report: internals.Report | None = None) -> dict[str, str]:
@@ -82,7 +78,7 @@ def install_all(report: internals.Report | None = None) -> dict[str, str]:
     report = internals.check() if report is None else report
     lost: dict[str, str] = {}
     for feature in internals.FEATURES:
-        if feature == "scales" or feature in internals.installed:
+        if feature == "scales" or feature in HOST.installed:
             continue
         if not report.available(feature):
             lost[feature] = "; ".join(report.problems[feature])
@@ -95,7 +91,7 @@ def install_all(report: internals.Report | None = None) -> dict[str, str]:
             lost[feature] = f"{type(exc).__name__}: {exc}"
             continue
         if applied is not False:
-            internals.installed.add(feature)
+            HOST.installed.add(feature)
     if not report.available("scales"):
         lost = {"scales": "; ".join(report.problems["scales"]), **lost}
     _announce(version, lost)
@@ -105,7 +101,7 @@ def install_all(report: internals.Report | None = None) -> dict[str, str]:
 def _announce(version: str, lost: dict[str, str]) -> None:
     tested = version in internals.RUN_TESTED + internals.STATIC_TESTED
     if not tested:
-        held = [f for f in internals.FEATURES if f in internals.installed]
+        held = [f for f in internals.FEATURES if f in HOST.installed]
         warn_once(
             f"vllm-version:{version}",
             "kvscale: vLLM %s is not a version kvscale-plugin was tested with (supported: "

@@ -124,9 +124,6 @@ def _store() -> tuple[_Store, int, int]:
     return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
 
 
-_checked: list[bool] = []  # once per process: one engine's workers per process
-
-
 def check_deployment() -> None:
     """Run ``check_ranks`` once in this worker process, when its engine spans several
     nodes (vLLM's ``ParallelConfig.nnodes``) and the ``deployment-check`` feature is
@@ -136,12 +133,13 @@ def check_deployment() -> None:
     from vllm.config import get_current_vllm_config_or_none
 
     from kvscale_plugin.hosts.vllm.activation import ensure
+    from kvscale_plugin.hosts.vllm.process import HOST
 
     parallel = getattr(get_current_vllm_config_or_none(), "parallel_config", None)
     nnodes = getattr(parallel, "nnodes", 1)
-    if _checked or not isinstance(nnodes, int) or nnodes <= 1:
+    if HOST.deployment_checked or not isinstance(nnodes, int) or nnodes <= 1:
         return
-    _checked.append(True)
+    HOST.deployment_checked = True  # once per process: one engine's workers per process
     found = ensure(
         "deployment-check",
         _store,

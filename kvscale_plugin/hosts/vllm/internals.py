@@ -132,10 +132,6 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
     return Report(problems)
 
 
-#: Features active in this process (installed when it builds a kvscale engine).
-installed: set[str] = set()
-
-
 def host_version() -> str:
     """The installed vLLM's release (``0.32.0+cpu`` -> ``0.32.0``), or ``unknown``."""
     try:

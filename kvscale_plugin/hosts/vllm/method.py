@@ -35,13 +35,13 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
-from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.activation import activate, layer_built
 from kvscale_plugin.hosts.vllm.layers import (
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
+from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale
 from kvscale_plugin.hosts.vllm.reload import report_verdict
 from kvscale_plugin.hosts.vllm.runtime import (
@@ -409,7 +409,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
     ) -> None:
         cfg = self.quant_config
         record.served(resolved, source)
-        if "cpu-write" in internals.installed:
+        if "cpu-write" in HOST.installed:
             from kvscale_plugin.hosts.vllm.cpu_write import serve_layer
 
             serve_layer(layer)
