@@ -27,9 +27,9 @@ def installer(feature: str) -> Callable[[], Any] | None:
 
 
 def ensure(feature: str, install: Callable[[], Any], cause: str, lost: str) -> Any:
-    """Where ``feature`` is installed in this process: ``install()`` (idempotent: called
-    again each time), all or nothing; returns what it returns. Never raises: a failure costs
-    that part of ``feature`` only, said once (``lost`` % (exception type, exception))."""
+    """Where ``feature`` is installed here: ``install()`` (idempotent), all or nothing, and
+    what it returns. Never raises: a failure costs that part of ``feature`` only, said once
+    (``lost`` % (exception type, exception))."""
     if feature not in HOST.installed:
         return None
     try:
@@ -41,10 +41,9 @@ def ensure(feature: str, install: Callable[[], Any], cause: str, lost: str) -> A
 
 
 def layer_built() -> None:
-    """As kvscale's KV method builds each attention layer (in an engine's worker process, by
-    then; idempotent, cheap): the features that go in there -- the reload check's worker
-    entry points, the Gemma-4 assistant drafter following its target's layers, and, in an
-    engine spanning several nodes, the check that every rank serves with kvscale."""
+    """As kvscale's KV method builds each layer (a worker process by then; idempotent,
+    cheap): the reload check's worker entry points, the Gemma-4 assistant drafter following
+    its target's layers, and (multi-node engines) every rank serves with kvscale."""
     from kvscale_plugin.hosts.vllm.deployment import check_deployment
     from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
     from kvscale_plugin.hosts.vllm.shared import ensure_assistant_sync

@@ -1,10 +1,7 @@
-"""The catalogue of the vLLM host, as data: every feature (what a user gets from it, and
-what installs it) and every vLLM internal kvscale touches (``INTERNALS``: module,
-attribute, the parameters kvscale's code passes or reads, the call that puts kvscale on
-vLLM's path), the feature that needs it and what it is for. ``internals`` checks it,
-``activation`` installs the features, ``tests/compat`` and ``make check-vllm`` check it
-against release sources. Imports no vLLM.
-"""
+"""The vLLM host's catalogue, as data: every feature (what a user gets, what installs it)
+and every vLLM internal kvscale touches (``INTERNALS``), the feature that needs it and what
+it is for. ``internals`` checks it live, ``tests/compat`` and ``make check-vllm`` against
+release sources; ``activation`` installs the features. Imports no vLLM."""
 
 from __future__ import annotations
 
@@ -16,14 +13,10 @@ from kvscale_plugin.releases import VLLM_MIN, VLLM_RUN, VLLM_STATIC
 
 @dataclass(frozen=True)
 class Feature:
-    """What a user gets from a feature (and loses without it), and what installs it when a
-    process activates kvscale (``activation``): a function of this package,
-    ``"module.function"``, called inside a transaction (one returning False does not apply
-    here -- the CPU write on a GPU platform: not installed, not lost); empty where nothing is
-    installed up front and the feature is a flag its own code reads (``scales``: registered
-    in every process by ``install.register_method``; ``mtp-drafts``: the draft routing goes
-    in once the model declares MTP layers, ``mtp.ensure_draft_routing``;
-    ``deployment-check``: the KV method runs the check, ``deployment.check_deployment``)."""
+    """What a user gets from a feature (and loses without it), and the function of this
+    package (``"module.function"``) that ``activation`` installs it with (one returning
+    False does not apply here: not installed, not lost); empty where the feature is a flag
+    its own code reads (``scales`` is registered by ``install.register_method``)."""
 
     what: str
     install: str = ""
@@ -41,23 +34,23 @@ FEATURES: dict[str, Feature] = {
     ),
     "reload-check": Feature(
         "in-place reloads with corrupt KV scales refused, reloads without scales reported",
-        # where the worker's module is loaded already (else when the KV method builds the
-        # first attention layer: ``reload.ensure_worker_wrappers``)
+        # (else when the KV method builds a layer: ``reload.ensure_worker_wrappers``)
         "reload.install_worker_wrappers",
     ),
+    # Installed once the model declares MTP layers (``mtp.ensure_draft_routing``).
     "mtp-drafts": Feature(
         "MTP draft layers served with their own checkpoint KV scales (the Gemma-4 "
         "assistant drafter's with its target layers')"
     ),
     "cpu-write": Feature(
         "round-to-nearest-even FP8 cache write on vLLM's CPU platform (vLLM's own write truncates)",
-        # on vLLM's CPU platform only; each kvscale layer's impl takes kvscale's write as
-        # the KV method processes it (``cpu_write.serve_layer``)
+        # CPU platform only; layers take it as processed (``cpu_write.serve_layer``)
         "runtime.on_cpu",
     ),
     "custom-backend": Feature(
         "--attention-backend CUSTOM: the fused Triton FP8 cache write", "backend.register_backend"
     ),
+    # The KV method runs the check (``deployment.check_deployment``).
     "deployment-check": Feature(
         "a multi-node engine whose ranks do not all serve with kvscale (of one version) "
         "refuses to start, naming them"

@@ -117,13 +117,6 @@ def check_ranks(
     return records
 
 
-def _store() -> tuple[_Store, int, int]:
-    """The engine's torch.distributed store, this rank and the world size."""
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-
-
 def check_deployment() -> None:
     """Run ``check_ranks`` once in this worker process, when its engine spans several
     nodes (vLLM's ``ParallelConfig.nnodes``) and the ``deployment-check`` feature is
@@ -140,9 +133,15 @@ def check_deployment() -> None:
     if HOST.deployment_checked or not isinstance(nnodes, int) or nnodes <= 1:
         return
     HOST.deployment_checked = True  # once per process: one engine's workers per process
-    found = ensure(
+    import torch.distributed as dist
+
+    found = ensure(  # the engine's store, this rank, the world size
         "deployment-check",
-        _store,
+        lambda: (
+            dist.distributed_c10d._get_default_store(),
+            dist.get_rank(),
+            dist.get_world_size(),
+        ),
         "deployment-store",
         "kvscale: could not reach the engine's torch.distributed store (%s: %s); that "
         "every node serves with kvscale is not checked.",

@@ -6,20 +6,10 @@ moved name at registration stops *every* vLLM start (``load_general_plugins`` ca
 plugin without a try/except). So the adapter never imports vLLM blindly: every target in
 ``catalogue.INTERNALS`` is resolved here before its feature goes in.
 
-Two moments (``hosts.vllm.register`` and ``activation.activate``):
-
-* every vLLM process: ``register`` checks the core's targets silently and registers the
-  quantization method -- nothing else, no log line;
-* a process that builds a ``-q kvscale`` engine: ``activate`` checks every feature's
-  targets, installs the features that hold (a missing or changed target costs only its
-  feature, with one line saying so) and says once if this vLLM is not a tested release.
-
-Features (``catalogue.FEATURES``), each all or nothing. Every
-other feature needs ``scales``, the core, which goes through vLLM's quantization registry
-and KV-cache method (its public extension points).
-
-Targets are checked live (imported, resolved, signatures and call sites read) at
-activation, except ``lazy`` ones, whose modules are heavy or platform-specific and are
+Every vLLM process checks the core's targets (``scales``, which every other feature needs)
+silently as it registers; a process that builds a ``-q kvscale`` engine checks every
+feature's (``activation.activate``): live (imported, resolved, signatures and call sites
+read), except ``lazy`` ones, whose modules are heavy or platform-specific and are
 imported by vLLM later (the worker, the Triton backend): those are checked where they are
 used, and statically against every supported release's sources by the test suite
 (``make check-vllm VERSION=...`` does it for any release).
@@ -27,10 +17,7 @@ used, and statically against every supported release's sources by the test suite
 Installers change vLLM only through ``replace`` / ``replace_item`` inside
 ``transaction``: a feature whose installation fails half way is rolled back, so a retry in
 the same process (a notebook cell run twice) behaves like the first attempt. ``PATCHED``
-lists every place a kvscale engine replaces, each with the upstream limitation that
-forces it.
-
-This module imports no vLLM at import time.
+lists every place a kvscale engine replaces. Imports no vLLM at import time.
 """
 
 from __future__ import annotations
@@ -40,24 +27,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvscale_plugin.hosts._common import base_version, parameter_names, resolve_attribute
-from kvscale_plugin.hosts.vllm import catalogue
 from kvscale_plugin.hosts.vllm.callsites import calls_problem, live_calls
+from kvscale_plugin.hosts.vllm.catalogue import (  # noqa: F401 - read here by all
+    FEATURES,
+    INTERNALS,
+    MIN_VERSION,
+    PATCHED,
+    RUN_TESTED,
+    STATIC_TESTED,
+    SUPPORTED_RANGE,
+    Feature,
+    Internal,
+)
 from kvscale_plugin.hosts.vllm.patching import replace, replace_item, transaction  # noqa: F401
 from kvscale_plugin.hosts.vllm.runtime import on_cpu
-
-# The catalogue, as the checker, the installer and the tests read it.
-Feature, Internal, FEATURES, INTERNALS = (
-    catalogue.Feature,
-    catalogue.Internal,
-    catalogue.FEATURES,
-    catalogue.INTERNALS,
-)
-PATCHED, SUPPORTED_RANGE = catalogue.PATCHED, catalogue.SUPPORTED_RANGE
-RUN_TESTED, STATIC_TESTED, MIN_VERSION = (
-    catalogue.RUN_TESTED,
-    catalogue.STATIC_TESTED,
-    catalogue.MIN_VERSION,
-)
 
 
 def resolve(internal: Internal) -> Any:

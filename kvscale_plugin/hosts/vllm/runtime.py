@@ -1,7 +1,5 @@
-"""What this process's vLLM says at run time: the engine being built (a dummy load, an
-explicit FP8 cache), its parallel layout, its platform and what its reload does. Asked by
-the config, the KV method and the name mapping; each answer is vLLM's, read where it is
-asked (``platform_cache`` says whether this CPU can run an FP8 cache)."""
+"""What this process's vLLM says at run time, read where the config, the KV method and the
+name mapping ask: the engine being built, its parallel layout, platform and reload."""
 
 from __future__ import annotations
 
@@ -9,8 +7,7 @@ import functools
 
 
 def is_dummy_load() -> bool:
-    """A dummy load (RL / benchmarking) carries no scales by design; the real weights
-    come later through an in-place reload."""
+    """A dummy load (RL / benchmarking): no scales by design (an in-place reload brings them)."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
@@ -50,13 +47,10 @@ def on_cpu() -> bool:
 @functools.cache
 def keeps_placeholders() -> bool:
     """Whether this vLLM's reload loads into the placeholders again (the direct reload of
-    vLLM >= 0.34), so that post-load processing must keep them (looked up once per
-    process, not per layer and load)."""
-    import importlib.util
+    vLLM >= 0.34): post-load processing keeps them (looked up once per process)."""
+    from importlib.util import find_spec
 
     try:
-        return (
-            importlib.util.find_spec("vllm.model_executor.model_loader.reload.direct") is not None
-        )
+        return find_spec("vllm.model_executor.model_loader.reload.direct") is not None
     except (ImportError, ValueError):
         return False
