@@ -52,7 +52,7 @@ def feature_table(sources: object) -> tuple[list[str], dict[str, str]]:
             patched = " [patched by kvscale]" if item.patch else ""
             rows.append(f"  {state:<8} {item.target}{patched}{note}")
         verdict = "LOST" if feature in lost else "holds"
-        lines.append(f"{feature}: {verdict} -- {what}")
+        lines.append(f"{feature}: {verdict} -- {what.what}")
         lines.extend(rows)
     return lines, lost
 

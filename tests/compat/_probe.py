@@ -155,11 +155,11 @@ def run(args: dict[str, Any], collect: _Collect) -> dict[str, Any]:
     import vllm
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
-    from kvscale_plugin.hosts.vllm import internals
+    from kvscale_plugin.hosts.vllm.process import HOST
 
     result["vllm"] = vllm.__version__
     result["kvscale_known"] = "kvscale" in QUANTIZATION_METHODS
-    result["installed"] = sorted(internals.installed)
+    result["installed"] = sorted(HOST.installed)
     result["patched"] = patched_places()
     result["warnings"] = list(collect.messages)
     return result

@@ -165,12 +165,12 @@ def test_stock_start_is_unchanged_with_kvscale_installed(started, case):
 
 HELP = """
 import runpy, sys
-from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.hosts.vllm.process import HOST
 sys.argv = ["api_server", "--help=quantization"]
 try:
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
 except SystemExit as exc:
-    print("EXIT", exc.code, "INSTALLED", ",".join(sorted(internals.installed)))
+    print("EXIT", exc.code, "INSTALLED", ",".join(sorted(HOST.installed)))
 """
 
 

@@ -58,5 +58,5 @@ if __name__ == "__main__":
     result["kvscale records"] = records
     import kvscale_plugin.hosts.vllm as host
 
-    result["registered"] = host._registered
+    result["registered"] = host.HOST.registered
     print("RESULT " + json.dumps(result))

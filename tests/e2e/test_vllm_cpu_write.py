@@ -38,6 +38,7 @@ from kvscale_testing.skips import needs_fp8_cpu_cache
 from kvscale_testing.tinymodels import TinySpec, build_tiny_checkpoint
 
 from kvscale_plugin.hosts.vllm import cpu_write as vllm_cpu_write
+from kvscale_plugin.hosts.vllm.process import HOST
 
 pytestmark = pytest.mark.engine
 
@@ -293,17 +294,17 @@ def test_one_plan_per_forward_step(checkpoint):
         step = Step()
         with override_forward_context(step):
             write_step(0)
-            assert len(vllm_cpu_write._step_plans.plans) == 1  # all layers, one plan
-            first = next(iter(vllm_cpu_write._step_plans.plans.values())).plan
+            assert len(HOST.step_plans.plans) == 1  # all layers, one plan
+            first = next(iter(HOST.step_plans.plans.values())).plan
         slots.numpy()[:] = torch.randperm(nb * bs, generator=g)[:n].numpy()  # no version bump
         step = Step()
         with override_forward_context(step):
             write_step(100)  # bytes land at the new slots: the plan was made again
-            (held, plan), *rest = vllm_cpu_write._step_plans.plans.values()
+            (held, plan), *rest = HOST.step_plans.plans.values()
             assert not rest and held is slots and plan is not first
         del step
         gc.collect()
-        assert not vllm_cpu_write._step_plans.plans
+        assert not HOST.step_plans.plans
 
 
 # A real generate: chunked prefill, decode, prefix caching --------------------------

@@ -120,6 +120,38 @@ def test_a_q_scale_nothing_reads_is_warned_about_and_the_reload_serves(
     assert len(kvscale_warnings("query-scale value(s)")) == 1
 
 
+def test_a_reload_does_not_report_the_previous_loads_unmapped_names(build_layers, monkeypatch):
+    """Checkpoint scale names that land on no layer are reported for the load that carried
+    them: a later reload (its names mapped before vLLM re-creates the placeholders, as the
+    layerwise reload does) reports only its own."""
+    from vllm.config import set_current_vllm_config
+
+    from kvscale_plugin.hosts.vllm import method
+
+    reported: list[set[str]] = []
+    monkeypatch.setattr(method, "warn_unmapped_scales", lambda names, scope: reported.append(names))
+    vllm_config, layers = build_layers()
+    cfg = layers[0].quant_method.quant_config
+    stray = "model.layers.7.self_attn.k_scale"
+
+    def mapped(names: list[str]) -> list[str]:
+        with set_current_vllm_config(vllm_config):
+            mapper = cfg.get_cache_scale_mapper()
+            return [name for name, _ in mapper.apply((n, torch.tensor([1.0])) for n in names)]
+
+    assert mapped([stray, "model.layers.0.self_attn.k_scale"]) == [
+        "model.layers.0.self_attn.attn.k_scale"
+    ]
+    _load(vllm_config, layers, GOOD, reload=False)
+    assert reported and all(names == {stray} for names in reported), reported
+
+    reported.clear()
+    assert mapped(["model.layers.1.self_attn.k_scale"]) == ["model.layers.1.self_attn.attn.k_scale"]
+    _load(vllm_config, layers, NEW, reload=True)
+    assert reported == [] and cfg.unmapped_scales == set()
+    assert _served(layers) == [(4.0, 6.0), (8.0, 10.0)]
+
+
 def test_a_reload_with_a_corrupt_k_scale_keeps_every_layer_and_raises(build_layers):
     from kvscale_plugin.hosts.vllm.reload import check_reload
 

@@ -71,14 +71,16 @@ def parent_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple]]:
 def our_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Count our kernel's launches while still running it."""
     vllm_backend.KVScaleTritonAttentionImpl  # noqa: B018 - builds the classes, binds the kernel
-    kernel = vllm_backend.fp8_cache_write
+    from kvscale_plugin.hosts.vllm.process import HOST
+
+    kernel = HOST.fp8_cache_write
     calls: list[tuple] = []
 
     def recording(*args: Any, **kwargs: Any) -> None:
         calls.append(args)
         kernel(*args, **kwargs)
 
-    monkeypatch.setattr(vllm_backend, "fp8_cache_write", recording)
+    monkeypatch.setattr(HOST, "fp8_cache_write", recording)
     return calls
 
 

@@ -19,6 +19,7 @@ from kvscale_testing.cpu_cache import expected_vec_cache as _expected
 from kvscale_testing.cpu_routes import model_write_routes
 
 from kvscale_plugin.hosts.vllm import cpu_write
+from kvscale_plugin.hosts.vllm.process import HOST
 
 pytest.importorskip("vllm")
 
@@ -148,14 +149,14 @@ def test_one_plan_per_forward_step_shared_by_layers() -> None:
         step = Step()
         with override_forward_context(step):
             write_step(0)
-            assert len(cpu_write._step_plans.plans) == 1  # all layers, one plan
-            first = next(iter(cpu_write._step_plans.plans.values())).plan
+            assert len(HOST.step_plans.plans) == 1  # all layers, one plan
+            first = next(iter(HOST.step_plans.plans.values())).plan
         slots.numpy()[:] = torch.randperm(64, generator=g)[:6].numpy()  # no version bump
         step = Step()
         with override_forward_context(step):
             write_step(100)
-            (held, plan), *rest = cpu_write._step_plans.plans.values()
+            (held, plan), *rest = HOST.step_plans.plans.values()
             assert not rest and held is slots and plan is not first
         del step
         gc.collect()
-        assert not cpu_write._step_plans.plans
+        assert not HOST.step_plans.plans

@@ -98,7 +98,7 @@ from kvscale_plugin.hosts import vllm as host
 host.register(); host.register()
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 assert QUANTIZATION_METHODS.count("kvscale") == 1, QUANTIZATION_METHODS
-assert host._registered
+assert host.HOST.registered
 print("BARE-OK")
 from kvscale_plugin.hosts.vllm.method import KVScaleConfig
 pickle.dump(KVScaleConfig.from_config(json.loads(sys.argv[2])), open(sys.argv[1], "wb"))

@@ -93,11 +93,11 @@ def test_register_never_raises_and_retries_cleanly(monkeypatch, kvscale_warnings
         calls.append(1)
         raise ImportError("cannot import name 'inplace'")
 
-    monkeypatch.setattr(host, "_registered", False)
+    monkeypatch.setattr(host.HOST, "registered", False)
     monkeypatch.setattr(install, "register_method", broken)
     assert host.register() is None
     assert host.register() is None
-    assert len(calls) == 2 and host._registered is False  # the second attempt is the first
+    assert len(calls) == 2 and host.HOST.registered is False  # the second attempt is the first
     said = kvscale_warnings("could not hook into vLLM")
     assert len(said) == 1 and "cannot import name 'inplace'" in said[0], said
     assert "as if kvscale-plugin were not installed" in said[0]
@@ -151,12 +151,18 @@ def test_every_patched_place_says_why_and_a_kvscale_engine_patches_at_most_five(
 
 
 def test_one_feature_table_every_feature_has_its_installer_or_none():
-    """``activation.INSTALLERS`` lists exactly the features of ``internals.FEATURES`` but
-    the core, in the same order; None only for features nothing installs up front."""
+    """``internals.FEATURES`` names each feature's installer (a function of the package);
+    none only for the core and the features nothing installs up front."""
     from kvscale_plugin.hosts.vllm import activation
 
-    assert list(activation.INSTALLERS) == [f for f in internals.FEATURES if f != "scales"]
-    assert {f for f, install in activation.INSTALLERS.items() if install is None} == {
+    assert [f for f in internals.FEATURES if activation.installer(f)] == [
+        "name-parity",
+        "reload-check",
+        "cpu-write",
+        "custom-backend",
+    ]
+    assert {f for f in internals.FEATURES if activation.installer(f) is None} == {
+        "scales",
         "mtp-drafts",
         "deployment-check",
     }

@@ -21,13 +21,9 @@ and are imported lazily.
 
 from __future__ import annotations
 
-import threading
-
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import follow_host_logging, logger, warn_once
-
-_registered = False
-_lock = threading.Lock()
+from kvscale_plugin.hosts.vllm.process import HOST
 
 
 def register() -> None:
@@ -35,9 +31,8 @@ def register() -> None:
 
     Never raises; idempotent; a failed attempt leaves nothing behind, so a second one
     behaves like the first."""
-    global _registered
-    with _lock:
-        if _registered:
+    with HOST.lock:
+        if HOST.registered:
             return
         try:
             from kvscale_plugin.hosts.vllm.install import register_method
@@ -47,7 +42,7 @@ def register() -> None:
             # logger's handlers; nothing of vLLM's changes.)
             follow_host_logging("vllm")
             register_method()
-            _registered = True
+            HOST.registered = True
             logger.debug("kvscale: registered quantization method '%s'", QUANTIZATION_METHOD)
         except Exception as exc:  # noqa: BLE001 - never break the host
             warn_once(

@@ -7,78 +7,66 @@ kvscale was not tested with, that it was not). Imported lazily, by the config.
 
 from __future__ import annotations
 
-import threading
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.internals import host_version
+from kvscale_plugin.hosts.vllm.process import HOST
 
 
-def _name_parity() -> None:
-    from kvscale_plugin.hosts.vllm.parity import install
-
-    install()
-
-
-def _reload_check() -> None:
-    """The worker's reload entry points, where its module is loaded already (else when the
-    KV method builds the first attention layer: ``reload.ensure_worker_wrappers``)."""
-    from kvscale_plugin.hosts.vllm.reload import install_worker_wrappers
-
-    install_worker_wrappers()
+def installer(feature: str) -> Callable[[], Any] | None:
+    """What installs ``feature`` up front (``catalogue.Feature.install``), or None."""
+    path = internals.FEATURES[feature].install
+    if not path:
+        return None
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
-def _cpu_write() -> bool:
-    """On vLLM's CPU platform only; each kvscale layer's impl takes kvscale's write as the
-    KV method processes it (``cpu_write.serve_layer``)."""
-    from vllm.platforms import current_platform
+def ensure(feature: str, install: Callable[[], Any], cause: str, lost: str) -> Any:
+    """Where ``feature`` is installed here: ``install()`` (idempotent), all or nothing, and
+    what it returns. Never raises: a failure costs that part of ``feature`` only, said once
+    (``lost`` % (exception type, exception))."""
+    if feature not in HOST.installed:
+        return None
+    try:
+        with internals.transaction():
+            return install()
+    except Exception as exc:  # noqa: BLE001 - costs this part of the feature only
+        warn_once(cause, lost, type(exc).__name__, exc)
+        return None
 
-    return bool(current_platform.is_cpu())
 
+def layer_built() -> None:
+    """As kvscale's KV method builds each layer (a worker process by then; idempotent,
+    cheap): the reload check's worker entry points, the Gemma-4 assistant drafter following
+    its target's layers, and (multi-node engines) every rank serves with kvscale."""
+    from kvscale_plugin.hosts.vllm.deployment import check_deployment
+    from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
+    from kvscale_plugin.hosts.vllm.shared import ensure_assistant_sync
 
-def _custom_backend() -> bool:
-    from kvscale_plugin.hosts.vllm.backend import register_backend
-
-    return register_backend()
-
-
-#: Every feature of ``internals.FEATURES`` but the core (``scales``, registered in every
-#: process), in order, with what installs it here: a function (one returning False did not
-#: apply here, e.g. the CPU write on a GPU platform: not installed, not lost), or None where
-#: nothing is installed now and the feature is a flag its own code reads
-#: (``internals.installed``): ``mtp-drafts`` -- the config installs the draft loader's
-#: routing once the model declares MTP layers (``mtp.ensure_draft_routing``), so an engine
-#: without a draft never gets it; ``deployment-check`` -- the KV method runs the check
-#: (``deployment.check_deployment``). tests/unit/test_vllm_internals.py keeps the keys equal.
-INSTALLERS: dict[str, Callable[[], Any] | None] = {
-    "name-parity": _name_parity,
-    "reload-check": _reload_check,
-    "mtp-drafts": None,
-    "cpu-write": _cpu_write,
-    "custom-backend": _custom_backend,
-    "deployment-check": None,
-}
-
-_lock = threading.RLock()
-_lost: dict[str, str] | None = None
+    ensure_worker_wrappers()
+    ensure_assistant_sync()
+    check_deployment()
 
 
 def activate(report: internals.Report | None = None) -> dict[str, str]:
     """In a process that builds a ``-q kvscale`` engine: install every feature whose
     targets hold (once per process; idempotent) and say what is lost. Returns feature ->
     why it is lost (empty when all hold). Never raises."""
-    global _lost
-    with _lock:
-        if _lost is not None and report is None:
-            return _lost
+    with HOST.lock:
+        if HOST.lost is not None and report is None:
+            return HOST.lost
         try:
-            _lost = install_all(report)
+            HOST.lost = install_all(report)
         except Exception as exc:  # noqa: BLE001 - never break the engine's start for this
-            _lost = {f: f"{type(exc).__name__}: {exc}" for f in INSTALLERS}
-            _announce(host_version(), _lost)
-        return _lost
+            lost = {f: f"{type(exc).__name__}: {exc}" for f in internals.FEATURES if f != "scales"}
+            HOST.lost = lost
+            _announce(host_version(), lost)
+        return HOST.lost
 
 
 def install_all(report: internals.Report | None = None) -> dict[str, str]:
@@ -88,20 +76,21 @@ def install_all(report: internals.Report | None = None) -> dict[str, str]:
     version = host_version()
     report = internals.check() if report is None else report
     lost: dict[str, str] = {}
-    for feature, installer in INSTALLERS.items():
-        if feature in internals.installed:
+    for feature in internals.FEATURES:
+        if feature == "scales" or feature in HOST.installed:
             continue
         if not report.available(feature):
             lost[feature] = "; ".join(report.problems[feature])
             continue
         try:
             with internals.transaction():
-                applied = None if installer is None else installer()
+                install = installer(feature)
+                applied = None if install is None else install()
         except Exception as exc:  # noqa: BLE001 - costs this feature only (rolled back)
             lost[feature] = f"{type(exc).__name__}: {exc}"
             continue
         if applied is not False:
-            internals.installed.add(feature)
+            HOST.installed.add(feature)
     if not report.available("scales"):
         lost = {"scales": "; ".join(report.problems["scales"]), **lost}
     _announce(version, lost)
@@ -111,7 +100,7 @@ def install_all(report: internals.Report | None = None) -> dict[str, str]:
 def _announce(version: str, lost: dict[str, str]) -> None:
     tested = version in internals.RUN_TESTED + internals.STATIC_TESTED
     if not tested:
-        held = [f for f in internals.FEATURES if f in internals.installed]
+        held = [f for f in internals.FEATURES if f in HOST.installed]
         warn_once(
             f"vllm-version:{version}",
             "kvscale: vLLM %s is not a version kvscale-plugin was tested with (supported: "
@@ -129,6 +118,6 @@ def _announce(version: str, lost: dict[str, str]) -> None:
             "kvscale: on vLLM %s this feature is unavailable: %s. Cause: %s. Everything "
             "else kvscale does is unaffected.",
             version,
-            internals.FEATURES[feature],
+            internals.FEATURES[feature].what,
             why,
         )

@@ -21,25 +21,17 @@ selection, nothing but one registry entry changes.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from kvscale_plugin._log import info_once, logger, warn_once
 from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer
+from kvscale_plugin.hosts.vllm.process import HOST
 
 BACKEND_NAME = "CUSTOM"
 BACKEND_CLASS_PATH = f"{__name__}.KVScaleTritonAttentionBackend"
 """What ``AttentionBackendEnum.CUSTOM`` resolves to once registered."""
 
 _CLASS_NAMES = ("KVScaleTritonAttentionBackend", "KVScaleTritonAttentionImpl")
-
-# Bound when the classes are built; a module global (looked up at call time) so
-# that tests can substitute it.
-fp8_cache_write: Callable[..., None] | None = None
-
-_build_lock = threading.Lock()
-_classes: dict[str, type] = {}
 
 
 def register_backend() -> bool:
@@ -103,16 +95,13 @@ def _announce_per_head_max() -> None:
 
 
 def _build_classes() -> dict[str, type]:
-    with _build_lock:
-        if not _classes:
-            _classes.update(_define_classes())
-            globals().update(_classes)
-    return _classes
+    with HOST.lock:
+        if not HOST.backend_classes:
+            HOST.backend_classes.update(_define_classes())
+    return HOST.backend_classes
 
 
 def _define_classes() -> dict[str, type]:
-    global fp8_cache_write
-
     import torch
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.triton_attn import (
@@ -124,8 +113,9 @@ def _define_classes() -> dict[str, type]:
     from kvscale_plugin.kernels import fp8_cache_write as kernel
     from kvscale_plugin.kernels import use_hardware_conversion
 
-    if fp8_cache_write is None:
-        fp8_cache_write = kernel
+    if HOST.fp8_cache_write is None:
+        HOST.fp8_cache_write = kernel
+
     input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     logged: set[str] = set()
 
@@ -179,7 +169,7 @@ def _define_classes() -> dict[str, type]:
                 k_scale, v_scale = layer._kvscale_k_max, layer._kvscale_v_max
             else:
                 k_scale, v_scale = layer._k_scale, layer._v_scale
-            fp8_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+            HOST.fp8_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
         def forward(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not (

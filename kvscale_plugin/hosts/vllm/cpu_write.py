@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ import torch
 
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.hosts.vllm.layers import is_kvscale_layer
+from kvscale_plugin.hosts.vllm.process import HOST
 
 if TYPE_CHECKING:
     from kvscale_plugin.kernels.cpu_cache_write import HeldTarget, StepPlans
@@ -52,10 +52,6 @@ _ORIGINAL_ATTR = "__kvscale_original__"
 _ROUTE_ATTR = "_kvscale_cpu_write_route"
 _TARGET_ATTR = "_kvscale_cpu_cache_target"
 _FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-
-_install_lock = threading.Lock()
-_announced = False  # the INFO line is logged once per process
-_step_plans: StepPlans | None = None  # made at the first plain-torch write
 
 
 ENV_VAR = "KVSCALE_CPU_FP8_WRITE"
@@ -83,9 +79,6 @@ def write_mode() -> str:
     return "rne"
 
 
-_subclasses: dict[type, type] = {}
-
-
 def serve_layer(layer: torch.nn.Module) -> bool:
     """Give one kvscale attention layer kvscale's cache write: its attention impl becomes
     an instance of a subclass of its own class whose ``do_kv_cache_update`` is
@@ -100,8 +93,8 @@ def serve_layer(layer: torch.nn.Module) -> bool:
     base = type(impl)
     if getattr(base, _ORIGINAL_ATTR, None) is not None:
         return True  # kvscale's already
-    with _install_lock:
-        sub = _subclasses.get(base)
+    with HOST.lock:
+        sub = HOST.cpu_subclasses.get(base)
         if sub is None:
             sub = type(
                 f"KVScale{base.__name__}",
@@ -113,7 +106,7 @@ def serve_layer(layer: torch.nn.Module) -> bool:
                     _ORIGINAL_ATTR: base,
                 },
             )
-            _subclasses[base] = sub
+            HOST.cpu_subclasses[base] = sub
     impl.__class__ = sub
     return True
 
@@ -177,10 +170,10 @@ def _planned_write(cpu_cache_write: Any, target: Any) -> Callable[..., None]:
     shared."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    global _step_plans
-    if _step_plans is None:
-        _step_plans = cpu_cache_write.StepPlans()
-    plans, write_planned = _step_plans, cpu_cache_write.write_planned
+    if HOST.step_plans is None:
+        HOST.step_plans = cpu_cache_write.StepPlans()
+    plans: StepPlans = HOST.step_plans
+    write_planned = cpu_cache_write.write_planned
     flat, geometry = target
 
     def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k: float, v: float):
@@ -281,9 +274,8 @@ def _decide(
             two_hs // 2,
         )
         return None
-    global _announced
-    if not _announced:
-        _announced = True
+    if not HOST.cpu_write_announced:
+        HOST.cpu_write_announced = True
         logger.info(
             "kvscale: FP8 KV cache of kvscale layers written with round-to-nearest-even "
             "on the CPU (%s; %s=vllm restores vLLM's truncating write).",

@@ -117,40 +117,38 @@ def check_ranks(
     return records
 
 
-_checked: list[bool] = []  # once per process: one engine's workers per process
-
-
 def check_deployment() -> None:
     """Run ``check_ranks`` once in this worker process, when its engine spans several
     nodes (vLLM's ``ParallelConfig.nnodes``) and the ``deployment-check`` feature is
-    installed. Called as kvscale's KV method builds its first layer. A store that cannot
-    be reached costs this check only (one warning)."""
-    from kvscale_plugin.hosts.vllm import internals
-
-    if _checked or "deployment-check" not in internals.installed:
-        return
+    installed. Called as kvscale's KV method builds its first layer
+    (``activation.layer_built``). A store that cannot be reached costs this check only
+    (one warning)."""
     from vllm.config import get_current_vllm_config_or_none
 
-    config = get_current_vllm_config_or_none()
-    parallel = getattr(config, "parallel_config", None)
+    from kvscale_plugin.hosts.vllm.activation import ensure
+    from kvscale_plugin.hosts.vllm.process import HOST
+
+    parallel = getattr(get_current_vllm_config_or_none(), "parallel_config", None)
     nnodes = getattr(parallel, "nnodes", 1)
-    if not isinstance(nnodes, int) or nnodes <= 1:
+    if HOST.deployment_checked or not isinstance(nnodes, int) or nnodes <= 1:
         return
+    HOST.deployment_checked = True  # once per process: one engine's workers per process
     import torch.distributed as dist
 
-    _checked.append(True)
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    except Exception as exc:  # noqa: BLE001 - costs this check only
-        warn_once(
-            "deployment-store",
-            "kvscale: could not reach the engine's torch.distributed store (%s: %s); that "
-            "every node serves with kvscale is not checked.",
-            type(exc).__name__,
-            exc,
-        )
+    found = ensure(  # the engine's store, this rank, the world size
+        "deployment-check",
+        lambda: (
+            dist.distributed_c10d._get_default_store(),
+            dist.get_rank(),
+            dist.get_world_size(),
+        ),
+        "deployment-store",
+        "kvscale: could not reach the engine's torch.distributed store (%s: %s); that "
+        "every node serves with kvscale is not checked.",
+    )
+    if found is None:
         return
+    store, rank, world_size = found
     record = {
         "version": __version__,
         "node_rank": getattr(parallel, "node_rank", None),

@@ -13,6 +13,7 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts.vllm import internals
 from kvscale_plugin.hosts.vllm.internals import host_version
+from kvscale_plugin.hosts.vllm.process import HOST
 
 __all__ = ["host_version", "register_method", "register_unavailable", "unavailable_message"]
 
@@ -29,7 +30,7 @@ def _scales() -> None:
 def register_method() -> None:
     """Every vLLM process: register ``--quantization kvscale`` (or, where the core cannot
     work, a method that refuses to start naming why). Logs nothing, patches nothing."""
-    if "scales" in internals.installed:
+    if "scales" in HOST.installed:
         return
     report = internals.check([i for i in internals.INTERNALS if i.feature == "scales"])
     if not report.available("scales"):
@@ -37,7 +38,7 @@ def register_method() -> None:
         return
     with internals.transaction():
         _scales()
-    internals.installed.add("scales")
+    HOST.installed.add("scales")
 
 
 def unavailable_message(version: str, why: str) -> str:

@@ -1,25 +1,15 @@
-"""Every vLLM internal the adapter touches, in one checked list, and the features they carry.
+"""Checking the vLLM internals the adapter touches (listed in ``catalogue``), and the one
+reversible way features change vLLM.
 
 vLLM ships a release a month and moves internals between them. A plugin that imports a
 moved name at registration stops *every* vLLM start (``load_general_plugins`` calls each
-plugin without a try/except). So the adapter never imports vLLM blindly: ``INTERNALS``
-names each target (module, attribute, the parameters kvscale's code passes or reads, the
-call that puts kvscale on vLLM's path), the feature that needs it and what it is for.
+plugin without a try/except). So the adapter never imports vLLM blindly: every target in
+``catalogue.INTERNALS`` is resolved here before its feature goes in.
 
-Two moments (``hosts.vllm.register`` and ``activation.activate``):
-
-* every vLLM process: ``register`` checks the core's targets silently and registers the
-  quantization method -- nothing else, no log line;
-* a process that builds a ``-q kvscale`` engine: ``activate`` checks every feature's
-  targets, installs the features that hold (a missing or changed target costs only its
-  feature, with one line saying so) and says once if this vLLM is not a tested release.
-
-Features (``FEATURES``: feature -> what a user gets from it), each all or nothing. Every
-other feature needs ``scales``, the core, which goes through vLLM's quantization registry
-and KV-cache method (its public extension points).
-
-Targets are checked live (imported, resolved, signatures and call sites read) at
-activation, except ``lazy`` ones, whose modules are heavy or platform-specific and are
+Every vLLM process checks the core's targets (``scales``, which every other feature needs)
+silently as it registers; a process that builds a ``-q kvscale`` engine checks every
+feature's (``activation.activate``): live (imported, resolved, signatures and call sites
+read), except ``lazy`` ones, whose modules are heavy or platform-specific and are
 imported by vLLM later (the worker, the Triton backend): those are checked where they are
 used, and statically against every supported release's sources by the test suite
 (``make check-vllm VERSION=...`` does it for any release).
@@ -27,10 +17,7 @@ used, and statically against every supported release's sources by the test suite
 Installers change vLLM only through ``replace`` / ``replace_item`` inside
 ``transaction``: a feature whose installation fails half way is rolled back, so a retry in
 the same process (a notebook cell run twice) behaves like the first attempt. ``PATCHED``
-lists every place a kvscale engine replaces, each with the upstream limitation that
-forces it.
-
-This module imports no vLLM at import time.
+lists every place a kvscale engine replaces. Imports no vLLM at import time.
 """
 
 from __future__ import annotations
@@ -40,391 +27,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvscale_plugin.hosts._common import base_version, parameter_names, resolve_attribute
-from kvscale_plugin.releases import VLLM_MIN, VLLM_RUN, VLLM_STATIC
-
-#: Feature -> what a user gets from it (and loses without it).
-FEATURES: dict[str, str] = {
-    "scales": "checkpoint k/v scales served under --quantization kvscale (per tensor, per head)",
-    "name-parity": "vLLM's by-name decisions answered for kvscale as for compressed-tensors "
-    "(NVFP4 fusion pass, metrics weight size)",
-    "reload-check": "in-place reloads with corrupt KV scales refused, reloads without scales "
-    "reported",
-    "mtp-drafts": "MTP draft layers served with their own checkpoint KV scales (the Gemma-4 "
-    "assistant drafter's with its target layers')",
-    "cpu-write": "round-to-nearest-even FP8 cache write on vLLM's CPU platform (vLLM's own "
-    "write truncates)",
-    "custom-backend": "--attention-backend CUSTOM: the fused Triton FP8 cache write",
-    "deployment-check": "a multi-node engine whose ranks do not all serve with kvscale (of "
-    "one version) refuses to start, naming them",
-}
-
-#: vLLM releases the adapter is tested with (``kvscale_plugin.releases``): run in CI,
-#: checked statically against their sources, and the oldest supported.
-RUN_TESTED, STATIC_TESTED, MIN_VERSION = VLLM_RUN, VLLM_STATIC, VLLM_MIN
-SUPPORTED_RANGE = f">={MIN_VERSION} (tested: {', '.join(RUN_TESTED + STATIC_TESTED)})"
-
-_Q = "vllm.model_executor.layers.quantization"
-_CT = f"{_Q}.compressed_tensors.compressed_tensors"
-_RELOAD = "vllm.model_executor.model_loader.reload"
-_UPDATE = ("layer", "key", "value", "kv_cache", "slot_mapping")
-_SPEC = "vllm.v1.worker.gpu.spec_decode.gemma4"
-_ASSISTANT = (
-    "the Gemma-4 assistant drafter's layers get kv_sharing_target_layer_name here, after "
-    "loading, and no scale; a bf16 assistant has no KV method: no kvscale hook runs on them"
+from kvscale_plugin.hosts.vllm.callsites import calls_problem, live_calls
+from kvscale_plugin.hosts.vllm.catalogue import (  # noqa: F401 - read here by all
+    FEATURES,
+    INTERNALS,
+    MIN_VERSION,
+    PATCHED,
+    RUN_TESTED,
+    STATIC_TESTED,
+    SUPPORTED_RANGE,
+    Feature,
+    Internal,
 )
-
-
-@dataclass(frozen=True)
-class Internal:
-    """One vLLM internal: ``module``.``attr`` (``attr`` may be dotted, or empty for the
-    module itself).
-
-    ``params``: parameters kvscale passes or reads by name, in order as the target's first
-    parameters (``self`` / ``cls`` not counted). ``required``: the feature needs it (else it
-    is used where present: a path that exists in some releases only). ``lazy``: not
-    imported at start-up (see the module docstring). ``cpu_only``: checked only on vLLM's
-    CPU platform. ``moved``: other modules the same ``attr`` lives in, in other releases
-    (the first that resolves is the target). ``calls``: the target is a function that must
-    call a function of this name -- kvscale is on the path vLLM takes only then (a name
-    that still exists but is no longer called would otherwise pass). ``patch``: non-empty
-    when kvscale *replaces* this target in a ``-q kvscale`` engine: the upstream limitation
-    that leaves no public extension point for it (docs/compatibility.md lists these).
-    """
-
-    module: str
-    attr: str
-    feature: str
-    purpose: str
-    params: tuple[str, ...] = ()
-    required: bool = True
-    lazy: bool = False
-    cpu_only: bool = False
-    moved: tuple[str, ...] = ()
-    calls: str = ""
-    patch: str = ""
-
-    @property
-    def target(self) -> str:
-        return f"{self.module}.{self.attr}" if self.attr else self.module
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        return (self.module, *self.moved)
-
-
-def _i(module: str, attr: str, feature: str, purpose: str, **kw: Any) -> Internal:
-    return Internal(module, attr, feature, purpose, **kw)
-
-
-#: Every vLLM internal kvscale touches (also what ``tests/compat`` checks statically).
-INTERNALS: tuple[Internal, ...] = (
-    # -- scales (the core; public extension points and the classes they expect)
-    _i(_Q, "register_quantization_config", "scales", "registers --quantization kvscale"),
-    _i(
-        f"{_Q}.base_config",
-        "QuantizationConfig.get_cache_scale_mapper",
-        "scales",
-        "stock KV-scale name mapper, composed after kvscale's",
-    ),
-    _i(f"{_Q}.base_config", "QuantizeMethodBase", "scales", "type of get_quant_method"),
-    _i(
-        "vllm.model_executor.layers.attention.attention",
-        "validate_kv_sharing_target",
-        "scales",
-        "layers that read another layer's KV cache name it in kv_sharing_target_layer_name "
-        "(which this validates): kvscale serves them that layer's scales",
-    ),
-    _i(
-        _CT,
-        "CompressedTensorsConfig.maybe_update_config",
-        "scales",
-        "subclassed: linear / MoE schemes stay vLLM's; model type and MTP depth read here",
-        params=("model_name", "hf_config", "revision"),
-    ),
-    _i(
-        _CT,
-        "CompressedTensorsConfig.apply_vllm_mapper",
-        "scales",
-        "kv_cache_scheme kept as declared",
-        params=("hf_to_vllm_mapper",),
-    ),
-    _i(
-        _CT,
-        "CompressedTensorsConfig.get_quant_method",
-        "scales",
-        "attention layers get kvscale's KV method",
-        params=("layer", "prefix"),
-    ),
-    _i(
-        _CT,
-        "CompressedTensorsKVCacheMethod",
-        "scales",
-        "subclassed: vLLM's attention special-cases it",
-    ),
-    _i(
-        f"{_Q}.kv_cache",
-        "BaseKVCacheMethod.process_weights_after_loading",
-        "scales",
-        "scale placeholders -> _k_scale/_v_scale",
-        params=("layer",),
-    ),
-    _i(
-        "vllm.model_executor.layers.attention",
-        "Attention",
-        "scales",
-        "which layers get the KV method",
-    ),
-    _i(
-        "vllm.model_executor.models.utils",
-        "WeightsMapper",
-        "scales",
-        "kvscale's checkpoint-name mapping",
-    ),
-    _i(
-        "vllm.model_executor.models.utils",
-        "AutoWeightsLoader.load_weights",
-        "scales",
-        "applies the quantization config's KV-scale mapper only when the module it loads or a "
-        "direct child has a quant_config: a model module with a load_weights and none (Jamba) "
-        "is given the kvscale engine's config while it is built (hosts/vllm/scalepaths)",
-    ),
-    _i(
-        "vllm.config.model",
-        "ModelConfig.get_total_num_kv_heads",
-        "scales",
-        "per-head schemes: the model's KV heads, which TP partitions or replicates (read "
-        "where the quantization config has no total_num_kv_heads: vLLM sets that and "
-        "total_num_heads only for a compressed-tensors config with config_groups)",
-    ),
-    _i(
-        "vllm.model_executor.utils",
-        "is_weights_pre_processed",
-        "scales",
-        "pre-processed weights pass through",
-    ),
-    _i("vllm.platforms", "current_platform", "scales", "FP8 fnuz / CPU decisions"),
-    _i(
-        "vllm.v1.kv_cache_interface",
-        "is_quantized_kv_cache",
-        "scales",
-        "whether a layer's cache is FP8 (moved here from vllm.utils.torch_utils in 0.33)",
-        params=("kv_cache_dtype",),
-    ),
-    _i(
-        "vllm.distributed",
-        "get_tensor_model_parallel_rank",
-        "scales",
-        "per-head scales: this rank's heads",
-    ),
-    _i(
-        "vllm.distributed",
-        "get_tensor_model_parallel_world_size",
-        "scales",
-        "per-head scales: this rank's heads",
-    ),
-    _i("vllm.distributed", "get_pp_group", "scales", "pipeline-parallel name checks"),
-    _i(
-        "vllm.config",
-        "get_current_vllm_config_or_none",
-        "scales",
-        "dummy loads and an explicit FP8 cache",
-    ),
-    _i(
-        f"{_RELOAD}.direct",
-        "direct_reload_enabled",
-        "scales",
-        "vLLM >= 0.34's direct reload writes into the placeholders again: they are kept",
-        required=False,
-    ),
-    # -- name-parity
-    _i(
-        "vllm.config.model",
-        "ModelConfig.is_nvfp4_quantized",
-        "name-parity",
-        "wrapped: answered for kvscale as for compressed-tensors",
-        patch="VllmConfig enables the NVFP4 fusion pass by comparing "
-        "ModelConfig.quantization with the string 'compressed-tensors' "
-        "(config/vllm.py); a quantization method has no say in it",
-    ),
-    _i(
-        "vllm.v1.metrics.perf",
-        "_QUANT_WEIGHT_BYTE_SIZE",
-        "name-parity",
-        "metrics byte size per method name",
-        required=False,
-        patch="AttentionQuantizationConfigParser looks the method's name up in this "
-        "module-level dict and raises InvalidComponent for any name it lacks; a "
-        "quantization method cannot declare its weight byte size",
-    ),
-    # -- reload-check: the KV method refuses a corrupt reload where vLLM calls it on every
-    # reload (its weight loaders, process_weights_after_loading); the worker's entry points
-    # raise the refusal after vLLM's own after-reload steps.
-    _i(
-        f"{_RELOAD}.layerwise",
-        "_reload_attention_scales",
-        "reload-check",
-        "the layerwise reload runs the KV method on reloaded scales",
-        calls="process_weights_after_loading",
-    ),
-    _i(
-        f"{_RELOAD}.direct",
-        "finish_direct_reload",
-        "reload-check",
-        "the direct reload (VLLM_RELOAD_MODE=direct, vLLM >= 0.34) reruns every "
-        "module's post-load processing",
-        calls="process_weights_after_loading",
-        required=False,
-    ),
-    _i(
-        "vllm.v1.worker.gpu_worker",
-        "Worker.reload_weights",
-        "reload-check",
-        "wrapped: raises a refused reload after the worker's own after-reload steps",
-        calls="reload_weights",
-        lazy=True,
-        patch="a reload's refusal cannot be raised from the KV method: it runs inside "
-        "vLLM's layerwise finalize loop (reload/layerwise.py, "
-        "finalize_layerwise_processing), and an exception there leaves the later "
-        "attention layers unprocessed and the reload's buffers in place; vLLM has no "
-        "after-reload hook",
-    ),
-    _i(
-        "vllm.v1.worker.gpu_worker",
-        "Worker.finish_weight_update",
-        "reload-check",
-        "wrapped: raises a refused weight sync after the session ends",
-        lazy=True,
-        patch="as for reload_weights: the weight-transfer engine finalizes the reload "
-        "inside finish_weight_update, which must still end the session "
-        "(_weight_update_active = False) before a refusal is raised",
-    ),
-    # -- mtp-drafts
-    _i(
-        "vllm.model_executor.model_loader.default_loader",
-        "DefaultModelLoader.get_all_weights",
-        "mtp-drafts",
-        "wrapped (engines with an MTP draft only): MTP-layer scales routed to the draft's layers",
-        params=("model_config", "model"),
-        patch="MTP drafts route checkpoint names on their own (MiMo's loader never "
-        "applies a quantization config's scale-name mapper, GLM-4-MoE's looks names up "
-        "in its parameters): no mapper or weight loader of the KV method sees an "
-        "MTP-layer scale before the draft's own load_weights raises on it",
-    ),
-    _i(
-        "vllm.v1.spec_decode.gemma4",
-        "Gemma4Proposer._setup_gemma4_kv_sharing",
-        "mtp-drafts",
-        "wrapped (engines drafting with Gemma-4's assistant only): the drafter's layers "
-        "hold their target layers' scales",
-        params=("target_attn_layer_names",),
-        required=False,
-        lazy=True,
-        patch=_ASSISTANT,
-    ),
-    _i(
-        f"{_SPEC}.speculator",
-        "Gemma4Speculator._setup_gemma4_kv_sharing",
-        "mtp-drafts",
-        "as Gemma4Proposer's (vLLM 0.34)",
-        required=False,
-        lazy=True,
-        patch=_ASSISTANT,
-    ),
-    # -- cpu-write (per kvscale layer: its attention impl gets kvscale's write; vLLM's
-    # class is untouched)
-    _i(
-        "vllm.v1.attention.backends.cpu_attn",
-        "CPUAttentionBackendImpl.do_kv_cache_update",
-        "cpu-write",
-        "kvscale layers' impl is a subclass overriding it (vLLM's CPU platform ignores "
-        "--attention-backend, so no registered backend can be selected there)",
-        params=_UPDATE,
-        cpu_only=True,
-    ),
-    _i(
-        "vllm.forward_context",
-        "get_forward_context",
-        "cpu-write",
-        "one write plan per forward step",
-        cpu_only=True,
-    ),
-    _i(
-        "vllm.forward_context",
-        "is_forward_context_available",
-        "cpu-write",
-        "one write plan per forward step",
-        cpu_only=True,
-    ),
-    _i(
-        "vllm.v1.attention.backend",
-        "AttentionType",
-        "cpu-write",
-        "encoder layers keep vLLM's write",
-        cpu_only=True,
-    ),
-    _i(
-        "vllm._custom_ops",
-        "cpu_attn_reshape_and_cache",
-        "cpu-write",
-        "vLLM's write, the reference of the layout check (vllm._cpu_ops from 0.34)",
-        lazy=True,
-        moved=("vllm._cpu_ops",),
-    ),
-    # -- custom-backend
-    _i(
-        "vllm.v1.attention.backends.registry",
-        "AttentionBackendEnum.CUSTOM",
-        "custom-backend",
-        "the slot --attention-backend CUSTOM selects",
-    ),
-    _i(
-        "vllm.v1.attention.backends.registry",
-        "register_backend",
-        "custom-backend",
-        "points CUSTOM at kvscale's backend (in kvscale engines only)",
-    ),
-    _i(
-        "vllm.v1.attention.backends.triton_attn",
-        "TritonAttentionBackend",
-        "custom-backend",
-        "subclassed (built on first use)",
-        lazy=True,
-    ),
-    _i(
-        "vllm.v1.attention.backends.triton_attn",
-        "TritonAttentionImpl.do_kv_cache_update",
-        "custom-backend",
-        "overridden: the fused FP8 write",
-        params=_UPDATE,
-        lazy=True,
-    ),
-    _i(
-        "vllm.v1.attention.backends.triton_attn",
-        "TritonAttentionImpl.forward",
-        "custom-backend",
-        "per-head layers read with the per-layer max",
-        params=("layer",),
-        lazy=True,
-    ),
-    _i(
-        "vllm.v1.kv_cache_interface",
-        "KVQuantMode",
-        "custom-backend",
-        "per-tensor FP8 caches only",
-        lazy=True,
-    ),
-    # -- deployment-check
-    _i(
-        "vllm.config", "ParallelConfig.nnodes", "deployment-check", "whether the engine spans nodes"
-    ),
-    _i("vllm.config", "ParallelConfig.node_rank", "deployment-check", "names a rank's node"),
-)
-
-#: The places a ``-q kvscale`` engine may patch (each with its reason in ``patch``).
-PATCHED: tuple[Internal, ...] = tuple(i for i in INTERNALS if i.patch)
-
-
-# ----------------------------------------------------------------------------- checking
+from kvscale_plugin.hosts.vllm.patching import replace, replace_item, transaction  # noqa: F401
+from kvscale_plugin.hosts.vllm.runtime import on_cpu
 
 
 def resolve(internal: Internal) -> Any:
@@ -467,15 +83,6 @@ def problem(internal: Internal) -> str | None:
     )
 
 
-def _on_cpu() -> bool:
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # noqa: BLE001 - no platform: nothing CPU-only is checked
-        return False
-
-
 @dataclass
 class Report:
     """What ``check`` found: per feature, the problems of its required targets."""
@@ -491,13 +98,13 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
 
     Every feature needs ``scales``; without it all are reported lost."""
     problems: dict[str, list[str]] = {f: [] for f in FEATURES}
-    on_cpu: bool | None = None
+    cpu: bool | None = None
     for internal in INTERNALS if internals is None else internals:
         if internal.lazy or not internal.required:
             continue
         if internal.cpu_only:
-            on_cpu = _on_cpu() if on_cpu is None else on_cpu
-            if not on_cpu:
+            cpu = on_cpu() if cpu is None else cpu
+            if not cpu:
                 continue
         if (why := problem(internal)) is not None:
             problems[internal.feature].append(f"{internal.target} ({internal.purpose}): {why}")
@@ -506,20 +113,6 @@ def check(internals: Iterable[Internal] | None = None) -> Report:
             if feature != "scales" and not problems[feature]:
                 problems[feature].append("needs the 'scales' feature")
     return Report(problems)
-
-
-#: Features active in this process (installed when it builds a kvscale engine).
-installed: set[str] = set()
-
-# Changes to vLLM go through one reversible path (``patching``).
-from kvscale_plugin.hosts.vllm.callsites import calls_problem, live_calls  # noqa: E402
-from kvscale_plugin.hosts.vllm.patching import (  # noqa: E402
-    replace,
-    replace_item,
-    transaction,
-)
-
-__all__ = ["INTERNALS", "PATCHED", "Internal", "check", "replace", "replace_item", "transaction"]
 
 
 def host_version() -> str:

@@ -10,7 +10,6 @@ start-up load's verdict is reported at the cycle's end, a reload's by ``reload.c
 
 from __future__ import annotations
 
-import functools
 import re
 import uuid
 import weakref
@@ -36,24 +35,29 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import info_once, warn_once
 from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
-from kvscale_plugin.hosts.vllm import internals
+from kvscale_plugin.hosts.vllm.activation import activate, layer_built
 from kvscale_plugin.hosts.vllm.layers import (
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.parity import warn_vision_tower_difference
 from kvscale_plugin.hosts.vllm.platform_cache import DEGRADED, cpu_cannot_run_fp8_cache
+from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale
 from kvscale_plugin.hosts.vllm.reload import report_verdict
+from kvscale_plugin.hosts.vllm.runtime import (
+    explicit_fp8_cache,
+    is_dummy_load,
+    keeps_placeholders,
+    pipeline_parallel,
+)
 from kvscale_plugin.hosts.vllm.scalepaths import (
     UNMAPPED_PREFIX,
     ScaleRenaming,
-    pipeline_parallel,
     start_recording,
     stop_recording,
 )
 from kvscale_plugin.hosts.vllm.served import head_layout, write_kv_scales, write_scales
 from kvscale_plugin.hosts.vllm.shared import (
-    ensure_assistant_sync,
     finish_load_cycle,
     serving,
     sharing_target,
@@ -139,7 +143,7 @@ class KVScaleConfig(CompressedTensorsConfig):
             weakref.WeakValueDictionary()
         )
         self.cycle = self._new_cycle()
-        _activate()
+        activate()
         start_recording(config=self)  # the model is built next: where its attention layers go
 
     # The config travels to the engine-core / worker processes by pickle; the
@@ -154,7 +158,7 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.__dict__.update(state)
         self._attention_layers = weakref.WeakValueDictionary()
         self.cycle = self._new_cycle()
-        _activate()  # an engine-core / worker process of a kvscale engine
+        activate()  # an engine-core / worker process of a kvscale engine
         start_recording(config=self)
         self._route_drafts()
 
@@ -176,7 +180,7 @@ class KVScaleConfig(CompressedTensorsConfig):
     ) -> str | None:
         claimed = claims_checkpoint(hf_quant_cfg, user_quant)
         if claimed is not None:
-            _activate()  # this process builds a kvscale engine (the front end, first)
+            activate()  # this process builds a kvscale engine (the front end, first)
         return claimed
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Any = None):
@@ -214,9 +218,11 @@ class KVScaleConfig(CompressedTensorsConfig):
 
     def get_cache_scale_mapper(self) -> WeightsMapper:  # type: ignore[override]
         stock = QuantizationConfig.get_cache_scale_mapper()
-        if not (self.kv_verdict.declared or _explicit_fp8_cache()):
+        if not (self.kv_verdict.declared or explicit_fp8_cache()):
             return stock
         # One renaming per load (its model paths are read at the load's first scale name).
+        if not self.cycle.pending:
+            self.unmapped_scales.clear()  # a new load: the last one's names were reported
         ours = WeightsMapper(
             orig_to_new_renaming=[ScaleRenaming(self)],
             orig_to_new_regex={re.compile("^" + re.escape(UNMAPPED_PREFIX)): None},
@@ -249,7 +255,7 @@ class KVScaleConfig(CompressedTensorsConfig):
             if (
                 self.fp8_cache_unavailable
                 and getattr(layer, "kv_cache_dtype", None) == "auto"
-                and not _explicit_fp8_cache()
+                and not explicit_fp8_cache()
             ):
                 warn_once(self.warn_scope + "fp8-cache-unavailable", DEGRADED)
             if not self.kv_verdict.declared and not is_quantized_kv_cache(
@@ -279,15 +285,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
     def create_weights(self, layer: torch.nn.Module) -> None:
         # Called again on every in-place reload: build fresh placeholders each time.
         cfg = self.quant_config
-        # In an engine's worker process, by now: its reload entry points get kvscale's
-        # after-reload check (see reload.install_worker_wrappers; idempotent, cheap).
-        from kvscale_plugin.hosts.vllm.deployment import check_deployment
-        from kvscale_plugin.hosts.vllm.reload import ensure_worker_wrappers
-
-        ensure_worker_wrappers()
-        ensure_assistant_sync()  # Gemma-4's assistant drafter follows its target's layers
-        # An engine spanning several nodes: every rank serves with kvscale (once per process).
-        check_deployment()
+        layer_built()  # the features that go in as the worker builds its layers
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         if layer_name not in cfg._attention_layers:
             start_recording(layer, cfg)  # where the model puts this layer (``scalepaths``)
@@ -364,7 +362,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             record,
             serves=applies,
             reads_q=reads_q_scale(layer),
-            expects_scales=cfg.kv_verdict.declared and not _is_dummy_load(),
+            expects_scales=cfg.kv_verdict.declared and not is_dummy_load(),
             fnuz=fnuz,
         )
         if outcome.action is Action.REFUSE:
@@ -411,7 +409,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
     ) -> None:
         cfg = self.quant_config
         record.served(resolved, source)
-        if "cpu-write" in internals.installed:
+        if "cpu-write" in HOST.installed:
             from kvscale_plugin.hosts.vllm.cpu_write import serve_layer
 
             serve_layer(layer)
@@ -431,7 +429,7 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         0.34 they stay, because its direct reload (``VLLM_RELOAD_MODE=direct``) loads the
         checkpoint into them again."""
         record.loaded.clear()
-        if _keeps_placeholders():
+        if keeps_placeholders():
             return
         for name in (*_SCALE_NAMES, *ZERO_POINT_NAMES):
             if hasattr(layer, name):
@@ -448,42 +446,3 @@ def _reached(
         loader(param, loaded_weight, *args)
 
     return load
-
-
-def _is_dummy_load() -> bool:
-    # A dummy load (RL / benchmarking) carries no scales by design; the real
-    # weights come later through an in-place reload.
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    return config is not None and str(config.load_config.load_format) == "dummy"
-
-
-def _explicit_fp8_cache() -> bool:
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "auto")
-    return isinstance(dtype, str) and is_quantized_kv_cache(dtype)
-
-
-def _activate() -> None:
-    """This process builds a kvscale engine: its features go in now (once per process)."""
-    from kvscale_plugin.hosts.vllm.activation import activate
-
-    activate()
-
-
-@functools.cache
-def _keeps_placeholders() -> bool:
-    """Whether this vLLM's reload loads into the placeholders again (the direct reload of
-    vLLM >= 0.34), so that post-load processing must keep them (looked up once per
-    process, not per layer and load)."""
-    import importlib.util
-
-    try:
-        return (
-            importlib.util.find_spec("vllm.model_executor.model_loader.reload.direct") is not None
-        )
-    except (ImportError, ValueError):
-        return False

@@ -153,19 +153,12 @@ def ensure_draft_routing() -> None:
     """Called by the config once the model declares MTP layers: ``install_draft_routing``
     where the ``mtp-drafts`` feature is active (an engine whose model has no MTP layers
     never gets the loader wrapper). Never raises: a failure costs the drafts' scales only."""
-    from kvscale_plugin._log import warn_once
-    from kvscale_plugin.hosts.vllm import internals
+    from kvscale_plugin.hosts.vllm.activation import ensure
 
-    if "mtp-drafts" not in internals.installed:
-        return
-    try:
-        with internals.transaction():
-            install_draft_routing()
-    except Exception as exc:  # noqa: BLE001 - costs the drafts' scales only
-        warn_once(
-            "vllm-mtp-routing",
-            "kvscale: MTP draft layers cannot get their checkpoint KV scales on this vLLM "
-            "(%s: %s); the draft serves with scale 1.0.",
-            type(exc).__name__,
-            exc,
-        )
+    ensure(
+        "mtp-drafts",
+        install_draft_routing,
+        "vllm-mtp-routing",
+        "kvscale: MTP draft layers cannot get their checkpoint KV scales on this vLLM "
+        "(%s: %s); the draft serves with scale 1.0.",
+    )

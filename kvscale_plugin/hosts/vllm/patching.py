@@ -6,24 +6,23 @@ that a feature whose installation fails half way is rolled back. Imports nothing
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kvscale_plugin.hosts.vllm.process import HOST
+
 _MISSING = object()
-_journal = threading.local()
-_patch_lock = threading.RLock()
 
 
 def _record(entry: tuple[Any, ...]) -> None:
-    log = getattr(_journal, "entries", None)
+    log = getattr(HOST.journal, "entries", None)
     if log is not None:
         log.append(entry)
 
 
 def replace(owner: Any, name: str, value: Any) -> None:
     """``setattr(owner, name, value)``, undone if the enclosing ``transaction`` fails."""
-    with _patch_lock:
+    with HOST.lock:
         original = (
             owner.__dict__.get(name, _MISSING)
             if isinstance(owner, type)
@@ -35,7 +34,7 @@ def replace(owner: Any, name: str, value: Any) -> None:
 
 def replace_item(mapping: dict[Any, Any], key: Any, value: Any) -> None:
     """``mapping[key] = value`` (a module-level dict of vLLM's), undone like ``replace``."""
-    with _patch_lock:
+    with HOST.lock:
         original = mapping.get(key, _MISSING)
         mapping[key] = value
         _record(("item", mapping, key, original))
@@ -58,15 +57,15 @@ def _undo(entries: list[tuple[Any, ...]]) -> None:
 @contextlib.contextmanager
 def transaction() -> Iterator[None]:
     """Every ``replace`` inside is rolled back if the block raises (then re-raised)."""
-    outer = getattr(_journal, "entries", None)
+    outer = getattr(HOST.journal, "entries", None)
     entries: list[tuple[Any, ...]] = []
-    _journal.entries = entries
+    HOST.journal.entries = entries
     try:
         yield
     except BaseException:
         _undo(entries)
         raise
     finally:
-        _journal.entries = outer
+        HOST.journal.entries = outer
     if outer is not None:
         outer.extend(entries)

@@ -95,6 +95,7 @@ def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
     for cfg in _configs(layers):
         cfg.cycle.take_verdict()
         cfg.mtp_scales_seen.clear()
+        cfg.unmapped_scales.clear()
 
 
 def report_verdict(cfg: EngineConfig, verdict: Verdict) -> None:
@@ -228,21 +229,15 @@ def install_worker_wrappers() -> None:
 
 
 def ensure_worker_wrappers() -> None:
-    """Called by the KV method as each attention layer is built (in an engine's worker
+    """As each attention layer is built (``activation.layer_built``; in an engine's worker
     process, by then): ``install_worker_wrappers`` where the ``reload-check`` feature is
     installed. Never raises: a failure costs the reload check only, never the load."""
-    from kvscale_plugin.hosts.vllm import internals
+    from kvscale_plugin.hosts.vllm.activation import ensure
 
-    if "reload-check" not in internals.installed:
-        return
-    try:
-        with internals.transaction():
-            install_worker_wrappers()
-    except Exception as exc:  # noqa: BLE001 - costs the reload check only, never the load
-        warn_once(
-            "vllm-reload-worker",
-            "kvscale: the reload check could not hook into this vLLM's worker (%s: %s); "
-            "a reload with corrupt KV scales is not refused.",
-            type(exc).__name__,
-            exc,
-        )
+    ensure(
+        "reload-check",
+        install_worker_wrappers,
+        "vllm-reload-worker",
+        "kvscale: the reload check could not hook into this vLLM's worker (%s: %s); "
+        "a reload with corrupt KV scales is not refused.",
+    )

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvscale_plugin.hosts.vllm.layers import HOST
+from kvscale_plugin.hosts.vllm.runtime import pipeline_parallel
 from kvscale_plugin.names import (
     Landing,
     is_loaded_form,
@@ -248,12 +249,3 @@ class ScaleRenaming:
         if landing.kind.endswith("_scale"):  # zero points are accepted and dropped
             cfg.expected[(layer_name, landing.kind)] = key
         return landing.emit, None
-
-
-def pipeline_parallel() -> bool:
-    from vllm.distributed import get_pp_group
-
-    try:
-        return get_pp_group().world_size > 1
-    except AssertionError:  # no distributed group yet
-        return False

@@ -107,26 +107,20 @@ def install_assistant_sync() -> None:
 
 
 def ensure_assistant_sync() -> None:
-    """Called by the KV method as each layer is built (an engine's worker process):
+    """As each layer is built (``activation.layer_built``; an engine's worker process):
     ``install_assistant_sync`` where the engine drafts with Gemma-4's assistant and the
     ``mtp-drafts`` feature is installed. Never raises: a failure costs the drafter's scales."""
     from vllm.config import get_current_vllm_config_or_none
 
-    from kvscale_plugin.hosts.vllm import internals
+    from kvscale_plugin.hosts.vllm.activation import ensure
 
-    config = get_current_vllm_config_or_none()
-    spec = getattr(config, "speculative_config", None)
+    spec = getattr(get_current_vllm_config_or_none(), "speculative_config", None)
     uses = getattr(spec, "use_gemma4_mtp", None)
-    if "mtp-drafts" not in internals.installed or not (callable(uses) and uses()):
-        return
-    try:
-        with internals.transaction():
-            install_assistant_sync()
-    except Exception as exc:  # noqa: BLE001 - costs the drafter's scales only
-        warn_once(
+    if callable(uses) and uses():
+        ensure(
+            "mtp-drafts",
+            install_assistant_sync,
             "vllm-gemma4-assistant",
             "kvscale: cannot follow the Gemma-4 assistant drafter's layers (%s: %s); they "
             "read the target's FP8 cache at scale 1.0, as in stock vLLM.",
-            type(exc).__name__,
-            exc,
         )
