@@ -6,8 +6,25 @@ what they substitute on it (``HOST.fp8_cache_write``). Imports nothing of vLLM."
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+
+class Recording:
+    """``scalepaths``: while a kvscale engine builds its model, where each module goes
+    (weak references only) and which config builds it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # child module -> (its parent, the attribute name), for modules assigned meanwhile
+        self.parents: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[Any], str]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.handle: Any = None  # torch's module-registration hook, while recording
+        self.building: Any = None  # the kvscale config whose engine builds its model
+        # module -> the kvscale config of an attention layer it holds (to hand its loader)
+        self.holds: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 class HostState:
@@ -25,6 +42,7 @@ class HostState:
         self.cpu_subclasses: dict[type, type] = {}  # impl class -> kvscale's subclass
         self.backend_classes: dict[str, type] = {}  # the CUSTOM backend's, built on first use
         self.fp8_cache_write: Callable[..., None] | None = None  # its kernel, read per call
+        self.recording = Recording()
 
 
 HOST = HostState()

@@ -21,13 +21,13 @@ process that builds a kvscale engine.
 from __future__ import annotations
 
 import copy
-import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from kvscale_plugin.hosts.vllm import process
 from kvscale_plugin.hosts.vllm.layers import HOST
 from kvscale_plugin.hosts.vllm.runtime import pipeline_parallel
 from kvscale_plugin.names import (
@@ -38,28 +38,17 @@ from kvscale_plugin.names import (
     scale_kind,
 )
 
-_lock = threading.Lock()
-# child module -> (its parent, the attribute name), for modules assigned while recording.
-_parents: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[Any], str]] = (
-    weakref.WeakKeyDictionary()
-)
-_handle: Any = None
-# The kvscale config whose engine is building its model (None: none is).
-_building: Any = None
-# module -> the kvscale config of an attention layer it holds (to hand its loader).
-_holds: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
-
 
 def _record_parent(module: torch.nn.Module, name: str, submodule: Any) -> None:
     if not isinstance(submodule, torch.nn.Module):
         return
-    _parents[submodule] = (weakref.ref(module), name)
-    config = _holds.get(submodule)
-    if config is None and _building is not None:
-        config = _give_kv_method(submodule, _building)
+    process.HOST.recording.parents[submodule] = (weakref.ref(module), name)
+    config = process.HOST.recording.holds.get(submodule)
+    if config is None and process.HOST.recording.building is not None:
+        config = _give_kv_method(submodule, process.HOST.recording.building)
     if config is None:
         return
-    _holds[module] = config
+    process.HOST.recording.holds[module] = config
     # vLLM's ``AutoWeightsLoader`` applies the quantization config's scale mapper only when
     # the module it loads (or a direct child) has a ``quant_config`` attribute; some models
     # (Jamba) never set one, so their checkpoint scales never reach a mapper (stock raises on
@@ -97,26 +86,24 @@ def start_recording(layer: torch.nn.Module | None = None, config: Any = None) ->
     """Record module assignments from now on, for a model kvscale ``config`` builds;
     ``layer``: one of its attention layers being built (before it is assigned to its
     parent). Idempotent."""
-    global _handle, _building
     if config is not None:
-        _building = config
+        process.HOST.recording.building = config
     if layer is not None:
-        _holds[layer] = config
-    with _lock:
-        if _handle is None:
+        process.HOST.recording.holds[layer] = config
+    with process.HOST.recording.lock:
+        if process.HOST.recording.handle is None:
             from torch.nn.modules.module import register_module_module_registration_hook
 
-            _handle = register_module_module_registration_hook(_record_parent)
+            process.HOST.recording.handle = register_module_module_registration_hook(_record_parent)
 
 
 def stop_recording() -> None:
     """The model is built (its weights are being loaded): stop recording. Idempotent."""
-    global _handle, _building
-    with _lock:
-        _building = None
-        if _handle is not None:
-            _handle.remove()
-            _handle = None
+    with process.HOST.recording.lock:
+        process.HOST.recording.building = None
+        if process.HOST.recording.handle is not None:
+            process.HOST.recording.handle.remove()
+            process.HOST.recording.handle = None
 
 
 def module_path(module: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
@@ -125,7 +112,7 @@ def module_path(module: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
     parts: list[str] = []
     current = module
     seen: set[int] = set()
-    while (link := _parents.get(current)) is not None:
+    while (link := process.HOST.recording.parents.get(current)) is not None:
         parent = link[0]()
         if parent is None or id(parent) in seen:
             return None
