@@ -26,20 +26,6 @@ def installer(feature: str) -> Callable[[], Any] | None:
     return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
-def ensure(feature: str, install: Callable[[], Any], cause: str, lost: str) -> Any:
-    """Where ``feature`` is installed here: ``install()`` (idempotent), all or nothing, and
-    what it returns. Never raises: a failure costs that part of ``feature`` only, said once
-    (``lost`` % (exception type, exception))."""
-    if feature not in HOST.installed:
-        return None
-    try:
-        with internals.transaction():
-            return install()
-    except Exception as exc:  # noqa: BLE001 - costs this part of the feature only
-        warn_once(cause, lost, type(exc).__name__, exc)
-        return None
-
-
 def layer_built() -> None:
     """As kvscale's KV method builds each layer (a worker process by then; idempotent,
     cheap): the reload check's worker entry points, the Gemma-4 assistant drafter following

@@ -125,7 +125,7 @@ def check_deployment() -> None:
     (one warning)."""
     from vllm.config import get_current_vllm_config_or_none
 
-    from kvscale_plugin.hosts.vllm.activation import ensure
+    from kvscale_plugin.hosts.vllm.patching import ensure
     from kvscale_plugin.hosts.vllm.process import HOST
 
     parallel = getattr(get_current_vllm_config_or_none(), "parallel_config", None)

@@ -153,7 +153,7 @@ def ensure_draft_routing() -> None:
     """Called by the config once the model declares MTP layers: ``install_draft_routing``
     where the ``mtp-drafts`` feature is active (an engine whose model has no MTP layers
     never gets the loader wrapper). Never raises: a failure costs the drafts' scales only."""
-    from kvscale_plugin.hosts.vllm.activation import ensure
+    from kvscale_plugin.hosts.vllm.patching import ensure
 
     ensure(
         "mtp-drafts",

@@ -6,9 +6,10 @@ that a feature whose installation fails half way is rolled back. Imports nothing
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts.vllm.process import HOST
 
 _MISSING = object()
@@ -69,3 +70,17 @@ def transaction() -> Iterator[None]:
         HOST.journal.entries = outer
     if outer is not None:
         outer.extend(entries)
+
+
+def ensure(feature: str, install: Callable[[], Any], cause: str, lost: str) -> Any:
+    """Where ``feature`` is installed here: ``install()`` (idempotent), all or nothing, and
+    what it returns. Never raises: a failure costs that part of ``feature`` only, said once
+    (``lost`` % (exception type, exception))."""
+    if feature not in HOST.installed:
+        return None
+    try:
+        with transaction():
+            return install()
+    except Exception as exc:  # noqa: BLE001 - costs this part of the feature only
+        warn_once(cause, lost, type(exc).__name__, exc)
+        return None

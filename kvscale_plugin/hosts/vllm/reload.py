@@ -232,7 +232,7 @@ def ensure_worker_wrappers() -> None:
     """As each attention layer is built (``activation.layer_built``; in an engine's worker
     process, by then): ``install_worker_wrappers`` where the ``reload-check`` feature is
     installed. Never raises: a failure costs the reload check only, never the load."""
-    from kvscale_plugin.hosts.vllm.activation import ensure
+    from kvscale_plugin.hosts.vllm.patching import ensure
 
     ensure(
         "reload-check",

@@ -112,7 +112,7 @@ def ensure_assistant_sync() -> None:
     ``mtp-drafts`` feature is installed. Never raises: a failure costs the drafter's scales."""
     from vllm.config import get_current_vllm_config_or_none
 
-    from kvscale_plugin.hosts.vllm.activation import ensure
+    from kvscale_plugin.hosts.vllm.patching import ensure
 
     spec = getattr(get_current_vllm_config_or_none(), "speculative_config", None)
     uses = getattr(spec, "use_gemma4_mtp", None)
