@@ -365,15 +365,17 @@ class Cycle:
         *,
         serves: bool,
         reads_q: bool = False,
-        expects_scales: bool = True,
+        declared: bool = True,
+        dummy_load: bool = False,
         fnuz: bool = False,
     ) -> Outcome:
         """``decide`` for ``record``'s layer with what this cycle loaded and refused, filed in
         the cycle's verdict. ``serves``: its cache serves checkpoint scales
         (``serves_checkpoint_scales``); ``reads_q``: its attention reads q scales (a corrupt
-        one is then refused with the k/v scales; else it is unread); ``expects_scales``:
-        a layer served 1.0 is missing scales (not after a dummy load, nor without a
-        scheme); ``fnuz``: the platform's FP8 is e4m3fnuz."""
+        one is then refused with the k/v scales; else it is unread); ``declared``: the
+        checkpoint declares a KV scheme (without one, a layer without scales is not
+        warned about, as stock); ``dummy_load``: no checkpoint was loaded (a dummy start:
+        no scale is missing); ``fnuz``: the platform's FP8 is e4m3fnuz."""
         kv, q = self.refused()
         reads = serves and reads_q
         corrupt = CorruptScales.union(kv, q) if reads and q else kv
@@ -392,14 +394,14 @@ class Cycle:
         record.judged = True
         if q and not reads:
             verdict.unread_q.update(q.renamed(self._on_disk))
-        if outcome.action is Action.REFUSE or outcome.refused:
+        if corrupt and (outcome.action is Action.REFUSE or outcome.refused):
             verdict.refused.update(corrupt.renamed(self._on_disk))
-        if outcome.unused_corrupt:
+        elif corrupt and outcome.unused_corrupt:
             verdict.unused.update(corrupt.renamed(self._on_disk))
-        if outcome.carried_none and record.name not in verdict.kept_without_scales:
-            verdict.kept_without_scales.append(record.name)
-        if outcome.missing and expects_scales and record.name not in verdict.missing:
-            verdict.missing.append(record.name)
+        without = outcome.carried_none or (outcome.missing and not dummy_load)
+        listed = verdict.kept_without_scales if outcome.carried_none else verdict.missing
+        if declared and without and record.name not in listed:
+            listed.append(record.name)
         return outcome
 
     def take_verdict(self) -> Verdict:

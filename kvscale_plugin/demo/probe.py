@@ -148,11 +148,13 @@ def _record_engine_configs() -> Iterator[list[Any]]:
 FP8_CPU_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
 
 
-def layer_scales(llm: Any) -> dict[str, LayerScales]:
-    """Per-layer scales as the engine holds them."""
-    return context_layer_scales(
-        llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    )
+def layer_scales(
+    llm: Any, read_layers: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> dict[str, LayerScales]:
+    """Per-layer scales as the engine holds them (``read_layers``: the reader of its static
+    forward context; default ``context_layer_scales``)."""
+    context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    return (read_layers or context_layer_scales)(context)
 
 
 def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:

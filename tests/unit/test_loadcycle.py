@@ -264,7 +264,7 @@ def test_the_verdict_files_every_outcome_and_a_new_cycle_starts_empty():
     for expects, missing in ((True, ["l1"]), (False, [])):
         cycle, records = _judged_cycle({"l0.k_scale": 4.0}, served=False)
         for record in records:
-            cycle.judge(record, serves=True, expects_scales=expects)
+            cycle.judge(record, serves=True, dummy_load=not expects)
         verdict = cycle.take_verdict()
         assert verdict.missing == missing and not verdict.reload and not verdict.refused
     # A reload that carried nothing for l1 keeps its scales, and says so.
@@ -275,6 +275,10 @@ def test_the_verdict_files_every_outcome_and_a_new_cycle_starts_empty():
     assert verdict.kept_without_scales == ["l1"] and not verdict.missing
     assert not any(r.judged for r in records)
     assert not (cycle.verdict.kept_without_scales or cycle.verdict.reload)
+    # Without a declared scheme (stock's rules) nothing is said of it.
+    cycle, records = _judged_cycle({"l0.k_scale": 4.0}, served=True)
+    assert cycle.judge(records[1], serves=True, declared=False).carried_none
+    assert not cycle.take_verdict().kept_without_scales
     # A bf16 cache: a corrupt scale is unused, never refused.
     cycle, records = _judged_cycle({"l0.k_scale": -1.0}, served=True)
     assert {cycle.judge(r, serves=False).action for r in records} == {Action.SERVE}

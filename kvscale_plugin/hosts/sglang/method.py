@@ -306,7 +306,7 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         # refusals. No load through load_weights yet (a dummy load, e.g. for RL: the real
         # weights come with a later reload): no checkpoint to miss scales from.
         outcome = cfg.cycle.judge(
-            record, serves=applies, expects_scales=cfg.cycle.weight_loads > 0, fnuz=is_fp8_fnuz()
+            record, serves=applies, dummy_load=cfg.cycle.weight_loads == 0, fnuz=is_fp8_fnuz()
         )
         if outcome.action is Action.REFUSE:
             raise CorruptScaleError(cfg.cycle.verdict.refused.message())

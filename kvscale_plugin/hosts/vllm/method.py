@@ -362,7 +362,8 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             record,
             serves=applies,
             reads_q=reads_q_scale(layer),
-            expects_scales=cfg.kv_verdict.declared and not is_dummy_load(),
+            declared=cfg.kv_verdict.declared,
+            dummy_load=is_dummy_load(),
             fnuz=fnuz,
         )
         if outcome.action is Action.REFUSE:

@@ -127,13 +127,10 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
                     record,
                     serves=_uses_checkpoint_scales(layer),
                     reads_q=reads_q_scale(layer),
-                    expects_scales=False,
+                    declared=cfg.kv_verdict.declared,
                 )
         for cfg in configs:
-            verdict = cfg.cycle.take_verdict()
-            if not cfg.kv_verdict.supported:
-                verdict.kept_without_scales.clear()  # no scheme: stock's rules, no warning
-            report_verdict(cfg, verdict)
+            report_verdict(cfg, cfg.cycle.take_verdict())
         if not draft:
             _warn_draft_not_reloaded(layers)
     finally:

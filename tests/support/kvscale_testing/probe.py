@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvscale_plugin.demo import probe
@@ -21,7 +21,6 @@ from kvscale_plugin.demo.probe import (
     ENGINE_DEFAULTS,
     FP8_CPU_REFUSAL,
     KV_CACHE_BYTES,
-    layer_cache,
     layer_index,
     logprob_error,
     shutdown,
@@ -74,25 +73,20 @@ def vllm_engine(model_dir: str | os.PathLike[str], **kwargs: Any) -> Iterator[An
 
 def layer_scales(llm: Any) -> dict[str, LayerScales]:
     """Per-layer scales as the engine holds them (device tensor, float, CPU copy)."""
-    return context_layer_scales(
-        llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    )
+    return probe.layer_scales(llm, read_layers=context_layer_scales)  # type: ignore[return-value]
 
 
 def context_layer_scales(context: dict[str, Any]) -> dict[str, LayerScales]:
-    """``layer_scales`` of an engine's static forward context (also one that failed)."""
+    """``layer_scales`` of an engine's static forward context (also one that failed): the
+    demo's view of each layer, and the rest."""
     from kvscale_plugin.hosts.vllm.scalepaths import module_path
     from kvscale_plugin.loadcycle import layer_record
 
     out = {}
-    for name, layer in context.items():
-        if not hasattr(layer, "_k_scale"):
-            continue
+    for name, shown in probe.context_layer_scales(context).items():
+        layer = context[name]
         out[name] = LayerScales(
-            name=name,
-            k=float(layer._k_scale.reshape(-1)[0]),
-            v=float(layer._v_scale.reshape(-1)[0]),
-            pool_dtype=getattr(layer_cache(layer), "dtype", None),
+            **asdict(shown),
             k_float=float(layer._k_scale_float),
             v_float=float(layer._v_scale_float),
             k_cpu=float(layer._k_scale_cpu),
