@@ -235,6 +235,8 @@ class Verdict:
     reload: bool = False
     #: a layer of the cycle is a speculative-decoding draft's.
     draft: bool = False
+    #: a layer was given new k/v scales (the cycle counts as a scale update).
+    took_scales: bool = False
 
 
 #: The attribute a host's attention layer keeps its ``LayerRecord`` in.
@@ -391,6 +393,9 @@ class Cycle:
         verdict = self.verdict
         verdict.reload |= reload
         verdict.draft |= record.draft
+        verdict.took_scales |= outcome.action is Action.SERVE and (
+            record.value("k_scale") is not None or record.value("v_scale") is not None
+        )
         record.judged = True
         if q and not reads:
             verdict.unread_q.update(q.renamed(self._on_disk))

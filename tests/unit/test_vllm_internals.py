@@ -160,6 +160,7 @@ def test_one_feature_table_every_feature_has_its_installer_or_none():
         "reload-check",
         "cpu-write",
         "custom-backend",
+        "rl-sync",
     ]
     assert {f for f in internals.FEATURES if activation.installer(f) is None} == {
         "scales",

@@ -50,6 +50,13 @@ FEATURES: dict[str, Feature] = {
     "custom-backend": Feature(
         "--attention-backend CUSTOM: the fused Triton FP8 cache write", "backend.register_backend"
     ),
+    "rl-sync": Feature(
+        "RL weight syncs: KV scales sent through model.load_weights taken, the served "
+        "copies checked after every load, a scale fingerprint, the prefix cache reset "
+        "when the scales an FP8 cache is written with change",
+        # (the model's own load_weights is wrapped at the end of its start-up load)
+        "live.install",
+    ),
     # The KV method runs the check (``deployment.check_deployment``).
     "deployment-check": Feature(
         "a multi-node engine whose ranks do not all serve with kvscale (of one version) "
@@ -296,6 +303,25 @@ INTERNALS: tuple[Internal, ...] = (
         patch="as for reload_weights: the weight-transfer engine finalizes the reload "
         "inside finish_weight_update, which must still end the session "
         "(_weight_update_active = False) before a refusal is raised",
+    ),
+    # -- rl-sync: a scale change reaches the prefix cache, which lives in the engine core
+    _i(
+        "vllm.v1.engine.core",
+        "EngineCore.collective_rpc",
+        "rl-sync",
+        "wrapped: after each call, asks the workers whether the scales their FP8 caches "
+        "are written with changed, and if so resets the prefix cache",
+        params=("method", "timeout", "args", "kwargs"),
+        patch="a worker cannot reach the prefix cache (it lives in the engine core's "
+        "scheduler) and vLLM has no hook after a weight update: cached blocks written "
+        "under the old scales would be read under the new ones",
+    ),
+    _i(
+        "vllm.v1.engine.core",
+        "EngineCore.reset_prefix_cache",
+        "rl-sync",
+        "resets the prefix cache, preempting running requests (recomputed)",
+        params=("reset_running_requests",),
     ),
     # -- mtp-drafts
     _i(

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvscale_plugin.loadcycle import Cycle
+from kvscale_plugin.loadcycle import Cycle, layer_record
 from kvscale_plugin.scales import CorruptScales
 from kvscale_plugin.scheme import SchemeVerdict
 from kvscale_plugin.sharing import SharedLayers
@@ -69,3 +69,15 @@ def layer_serves_checkpoint_scales(verdict: SchemeVerdict, layer: Any) -> bool:
 
     dtype = str(layer.kv_cache_dtype)
     return serves_checkpoint_scales(verdict, dtype, quantized=is_quantized_kv_cache(dtype))
+
+
+def engine_layers(worker: Any) -> list[torch.nn.Module]:
+    """Every attention layer of the worker's engine (target and draft) served by kvscale's
+    KV method: vLLM registers each in the engine's forward context, by name."""
+    config = getattr(worker, "vllm_config", None)
+    context = getattr(getattr(config, "compilation_config", None), "static_forward_context", {})
+    return [
+        layer
+        for layer in dict(context).values()
+        if is_kvscale_layer(layer) or layer_record(layer) is not None
+    ]

@@ -421,6 +421,11 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
             if not cfg.cycle.verdict.reload:
                 # A start-up load's verdict (a reload's is the reload check's to report).
                 report_verdict(cfg, cfg.cycle.take_verdict())
+                if "rl-sync" in HOST.installed:
+                    from kvscale_plugin.hosts.vllm import live
+
+                    live.wrap_loaded_models(cfg)
+                    live.after_load(cfg, "start-up load", took_scales=True)
         self._drop_placeholders(layer, record)
 
     @staticmethod

@@ -39,27 +39,16 @@ from kvscale_plugin.hosts.vllm.internals import replace
 from kvscale_plugin.hosts.vllm.layers import (
     DRAFT_SCOPE,
     EngineConfig,
-    is_kvscale_layer,
+    engine_layers,
     kvscale_config,
     layer_serves_checkpoint_scales,
 )
+from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
 from kvscale_plugin.loadcycle import LayerRecord, Verdict, layer_record
 from kvscale_plugin.notices import refused_reload_message, warn_verdict
 from kvscale_plugin.scales import CorruptScaleError
-
-
-def engine_layers(worker: Any) -> list[torch.nn.Module]:
-    """Every attention layer of the worker's engine (target and draft) served by kvscale's
-    KV method: vLLM registers each in the engine's forward context, by name."""
-    config = getattr(worker, "vllm_config", None)
-    context = getattr(getattr(config, "compilation_config", None), "static_forward_context", {})
-    return [
-        layer
-        for layer in dict(context).values()
-        if is_kvscale_layer(layer) or layer_record(layer) is not None
-    ]
 
 
 def _record(layer: torch.nn.Module) -> LayerRecord:
@@ -130,7 +119,13 @@ def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
                     declared=cfg.kv_verdict.declared,
                 )
         for cfg in configs:
-            report_verdict(cfg, cfg.cycle.take_verdict())
+            verdict = cfg.cycle.take_verdict()
+            report_verdict(cfg, verdict)
+            if "rl-sync" in HOST.installed:
+                from kvscale_plugin.hosts.vllm import live
+
+                what = "draft reload" if draft else "reload"
+                live.after_load(cfg, what, took_scales=verdict.took_scales)
         if not draft:
             _warn_draft_not_reloaded(layers)
     finally:

@@ -68,7 +68,7 @@ def follow_targets(layers: dict[str, Any]) -> None:
     """Every attention layer that reads a kvscale layer's cache but has no kvscale KV
     method of its own (the assistant drafter: a bf16 checkpoint, no quantization config)
     holds that layer's scales; given a record (no cycle's) so that reloads re-sync it
-    (``reload.engine_layers``)."""
+    (``layers.engine_layers``)."""
     for name, layer in layers.items():
         target = sharing_target(layer)
         resolved = serving(layers.get(target or ""))
