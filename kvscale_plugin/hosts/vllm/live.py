@@ -160,12 +160,13 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
     if fixed:
         warn_once(
             f"{cfg.warn_scope}served-copies-{live.checks}",
-            "kvscale: %d served KV-scale cop%s did not hold the scales in force and were "
+            "kvscale: %d served KV-scale %s not hold the scales in force and %s "
             "rewritten from kvscale's record: %s. Something outside kvscale changed them "
             "(memory cleared by vLLM's sleep level 2, a refit that wrote one copy only); "
-            "nothing was served from them after this check.",
+            "nothing is served from them after this check.",
             len(fixed),
-            "y" if len(fixed) == 1 else "ies",
+            "copy did" if len(fixed) == 1 else "copies did",
+            "was" if len(fixed) == 1 else "were",
             shorten(details, "copies"),
         )
     return fixed
@@ -383,15 +384,21 @@ def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Any]]) -> set[str
     if nowhere:
         warn_once(
             f"{cfg.warn_scope}live-unmapped-{','.join(sorted(nowhere))}",
-            "kvscale: %s name no attention layer of this model and were dropped from the "
-            "update (check the names against `kvscale inspect` of the checkpoint).",
-            shorten(nowhere, "KV-scale tensors"),
+            "kvscale: KV-scale tensor(s) that name no attention layer of this model were "
+            "dropped from the update: %s (check the names against `kvscale inspect` of a "
+            "checkpoint of the model).",
+            shorten(nowhere, "tensors"),
         )
     if corrupt:
+        lines = "\n".join(
+            f"  - {name}: {why}" for name, why in sorted(corrupt.as_mapping().items())
+        )
         raise CorruptScaleError(
-            "kvscale: refused the KV scales of this model.load_weights call (the other "
-            "weights of the call were loaded; every layer keeps the scales in force): "
-            + corrupt.message()
+            f"kvscale: refused the {len(corrupt)} corrupt KV-scale tensor(s) of this "
+            f"model.load_weights call:\n{lines}\nNo scale of the call was taken: every "
+            "attention layer keeps the scales in force (the call's other weights were "
+            "loaded). Fix them where they are computed (a scale is a positive, finite "
+            "number) and send the scales again."
         )
     factor = 2.0 if _fnuz() else 1.0
     names: set[str] = set()
