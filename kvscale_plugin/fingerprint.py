@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -63,16 +63,18 @@ def canonical_lines(
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
+    layers: Collection[int] | None = None,
 ) -> list[str]:
     """The canonical lines of scale tensors as a checkpoint names them
     (``model.layers.N.self_attn.k_scale``, ``...k_proj.k_scale``: any name ending in
-    ``k_scale`` / ``v_scale`` under ``layers.N``); other tensors are skipped."""
+    ``k_scale`` / ``v_scale`` under ``layers.N``); other tensors are skipped, and so are
+    layers not in ``layers`` (when given: a pipeline stage's)."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     entries: dict[tuple[int, str], str] = {}
     for name, tensor in items:
         kind = _KINDS.get(name.rsplit(".", 1)[-1])
         index = main_stack_index(name)
-        if kind is None or index is None:
+        if kind is None or index is None or (layers is not None and index not in layers):
             continue
         values = tensor.detach().float().reshape(-1).tolist()
         if len(values) > 1:  # per head: this rank's
@@ -86,10 +88,12 @@ def scale_fingerprint(
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
+    layers: Collection[int] | None = None,
 ) -> str:
     """The fingerprint an engine (or its TP rank ``tp_rank`` of ``tp_size``) reports once
     it serves ``tensors``: the k/v scale tensors a trainer is about to send, named as a
     checkpoint names them. Compare it with ``worker_fingerprint`` (vLLM, through
     ``collective_rpc``) after the sync. Other tensors in ``tensors`` are ignored, so the
-    whole update may be passed."""
-    return digest(canonical_lines(tensors, tp_rank=tp_rank, tp_size=tp_size))
+    whole update may be passed. ``layers``: only these layer indices (a pipeline-parallel
+    worker serves its stage's: pass its ``worker_fingerprint(...)["layers"]``)."""
+    return digest(canonical_lines(tensors, tp_rank=tp_rank, tp_size=tp_size, layers=layers))

@@ -63,9 +63,7 @@ def main() -> None:
     ckpt = sys.argv[1]
     vc, model = build(ckpt)
     context = vc.compilation_config.static_forward_context
-    layers = {
-        int(name.split(".")[2]): m for name, m in context.items() if hasattr(m, "_k_scale")
-    }
+    layers = {int(name.split(".")[2]): m for name, m in context.items() if hasattr(m, "_k_scale")}
     cfg = layers[0].quant_method.quant_config
     stored = load_file(str(next(Path(ckpt).glob("*.safetensors"))))
     embed = stored["model.embed_tokens.weight"]
@@ -163,9 +161,7 @@ def main() -> None:
     # One copy set behind kvscale's back (a refit that wrote the device tensor only).
     layers[0]._v_scale.fill_(11.0)
     result["one_copy"] = snapshot(
-        consistent=not any(
-            line.startswith("!") for line in live.fingerprint_lines(layers.values())
-        )
+        consistent=not any(line.startswith("!") for line in live.fingerprint_lines(layers.values()))
     )
     model.load_weights([("model.embed_tokens.weight", embed)])
     result["after_one_copy"] = snapshot()

@@ -244,7 +244,7 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
     return {
         "fingerprint": digest(lines),
         "updates": sum(state(c).updates for c in configs.values()),
-        "layers": sorted({line.split(" ", 1)[0] for line in lines if not line.startswith("!")}),
+        "layers": sorted({int(line.split(" ", 1)[0]) for line in lines if line[0] != "!"}),
         "consistent": not any(line.startswith("!") for line in lines),
         "tp_rank": get_tensor_model_parallel_rank(),
         "tp_size": get_tensor_model_parallel_world_size(),
