@@ -96,13 +96,36 @@ _COPIES = {
 }
 
 
-def _held(layer: torch.nn.Module, copy: str) -> list[float] | None:
-    value = getattr(layer, copy, None)
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return [float(x) for x in value.detach().float().reshape(-1).tolist()]
-    return [float(value)]
+Snapshot = dict[int, dict[str, list[float]]]
+
+
+def snapshot(layers: Iterable[torch.nn.Module]) -> Snapshot:
+    """Every served copy of ``layers`` (``_COPIES``), read at once: tensors on a device are
+    gathered into one transfer per device (a weight sync may run this per bucket).
+    ``id(layer)`` -> copy -> its values."""
+    held: Snapshot = {}
+    on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+    for layer in layers:
+        copies = held.setdefault(id(layer), {})
+        for copy in _COPIES:
+            value = getattr(layer, copy, None)
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                flat = value.detach().reshape(-1).float()
+                if flat.device.type == "cpu":
+                    copies[copy] = flat.tolist()
+                else:
+                    on_device.setdefault(flat.device, []).append((id(layer), copy, flat))
+            else:
+                copies[copy] = [float(value)]
+    for parts in on_device.values():
+        values = torch.cat([flat for _, _, flat in parts]).cpu().tolist()
+        start = 0
+        for key, copy, flat in parts:
+            held[key][copy] = values[start : start + flat.numel()]
+            start += flat.numel()
+    return held
 
 
 def _f32(values: Iterable[float]) -> list[float]:
@@ -117,21 +140,25 @@ def _expected(resolved: ResolvedScales, scale: str, heads: bool, held: int) -> l
     return _f32([one] * held)
 
 
-def disagreeing_copies(layer: torch.nn.Module) -> list[tuple[str, list[float], list[float]]]:
+def disagreeing_copies(
+    layer: torch.nn.Module, held: dict[str, list[float]] | None = None
+) -> list[tuple[str, list[float], list[float]]]:
     """The copies of ``layer``'s served scales that do not hold the scales in force:
-    ``(copy, held, expected)`` for each."""
+    ``(copy, held, expected)`` for each (``held``: its ``snapshot``, else read here)."""
     record = layer_record(layer)
     resolved = record.resolved if record is not None else None
     if resolved is None:
         return []
+    if held is None:
+        held = snapshot([layer])[id(layer)]
     wrong = []
     for copy, (scale, heads) in _COPIES.items():
-        held = _held(layer, copy)
-        if held is None:
+        values = held.get(copy)
+        if values is None:
             continue
-        expected = _expected(resolved, scale, heads, len(held))
-        if _f32(held) != expected:
-            wrong.append((copy, held, expected))
+        expected = _expected(resolved, scale, heads, len(values))
+        if _f32(values) != expected:
+            wrong.append((copy, values, expected))
     return wrong
 
 
@@ -143,8 +170,10 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
 
     fixed: list[str] = []
     details: list[str] = []
-    for layer in cfg.attention_layers() if layers is None else layers:
-        wrong = disagreeing_copies(layer)
+    layers = list(cfg.attention_layers() if layers is None else layers)
+    held = snapshot(layers)
+    for layer in layers:
+        wrong = disagreeing_copies(layer, held[id(layer)])
         if not wrong:
             continue
         record = layer_record(layer)
@@ -152,9 +181,9 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
         write_kv_scales(layer, record.resolved)
         _serve_cpu_write(layer)
         name = getattr(layer, "layer_name", "?")
-        for copy, held, expected in wrong:
+        for copy, values, expected in wrong:
             fixed.append(f"{name}.{copy}")
-            details.append(f"{name}.{copy} held {_short(held)}, in force {_short(expected)}")
+            details.append(f"{name}.{copy} held {_short(values)}, in force {_short(expected)}")
     live = state(cfg)
     live.checks += 1
     if fixed:
@@ -198,6 +227,7 @@ def fingerprint_lines(layers: Iterable[torch.nn.Module]) -> list[str]:
     factor = 2.0 if _fnuz() else 1.0
     entries: dict[tuple[int, str], str] = {}
     extra: list[str] = []
+    chosen = []
     for layer in layers:
         record = layer_record(layer)
         index = main_stack_index(getattr(layer, "layer_name", ""))
@@ -205,20 +235,23 @@ def fingerprint_lines(layers: Iterable[torch.nn.Module]) -> list[str]:
             continue
         if sharing_target(layer) is not None:
             continue
+        chosen.append((index, layer, record is not None and record.heads is not None))
+    held = snapshot(layer for _, layer, _ in chosen)
+    for index, layer, heads in chosen:
+        copies = held[id(layer)]
         for scale in ("k", "v"):
-            device = _held(layer, f"_{scale}_scale")
+            device = copies.get(f"_{scale}_scale")
             if device is None:
                 continue
-            heads = record is not None and record.heads is not None
             values = device if heads else device[:1]
             entries[(index, scale)] = entry_line(index, scale, [x / factor for x in values])
             top = _f32([max(device)])
             for copy, (of, all_heads) in _COPIES.items():
-                held = _held(layer, copy)
-                if of != scale or all_heads or held is None:
+                values = copies.get(copy)
+                if of != scale or all_heads or values is None:
                     continue
-                if _f32(held) != top * len(held):
-                    extra.append(f"! {index} {scale} {copy} {_short(held)}")
+                if _f32(values) != top * len(values):
+                    extra.append(f"! {index} {scale} {copy} {_short(values)}")
     return [entries[key] for key in sorted(entries)] + sorted(extra)
 
 
@@ -253,10 +286,13 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
     }
 
 
-def announce(cfg: EngineConfig, what: str) -> None:
-    """The INFO line after a load or update: the fingerprint and the counter."""
+def announce(cfg: EngineConfig, what: str, level: int = logging.INFO) -> None:
+    """The line after a load or update: the fingerprint and the counter."""
+    if not logger.isEnabledFor(level):
+        return
     layers = cfg.attention_layers()
-    logger.info(
+    logger.log(
+        level,
         "kvscale: %s: KV scales in force have fingerprint %s (update %d, %d layers).",
         what,
         layers_fingerprint(layers),
@@ -265,14 +301,16 @@ def announce(cfg: EngineConfig, what: str) -> None:
     )
 
 
-def after_load(cfg: EngineConfig, what: str, *, took_scales: bool) -> None:
+def after_load(cfg: EngineConfig, what: str, *, took_scales: bool, quiet: bool = False) -> None:
     """After a start-up load, a reload or an update: check the served copies, count it,
-    log the fingerprint. Never raises (a failure here costs this check only)."""
+    log the fingerprint (at INFO; ``quiet``: a weights-only ``model.load_weights`` call, one
+    of a sync's many buckets, logs it at DEBUG unless a copy was rewritten). Never raises (a
+    failure here costs this check only)."""
     try:
-        check_served(cfg)
+        fixed = check_served(cfg)
         if took_scales:
             state(cfg).updates += 1
-        announce(cfg, what)
+        announce(cfg, what, logging.DEBUG if quiet and not fixed else logging.INFO)
     except Exception as exc:  # noqa: BLE001 - never break a load for the check
         warn_once(
             f"{cfg.warn_scope}live-check-failed",
@@ -286,16 +324,19 @@ def after_load(cfg: EngineConfig, what: str, *, took_scales: bool) -> None:
 # -- scale tensors through the model's own load_weights ---------------------------------
 
 
-def _landing(cfg: Any, name: str) -> tuple[torch.nn.Module, str] | None | bool:
+def _landing(cfg: Any, name: str, paths: list[Any]) -> tuple[torch.nn.Module, str] | None | bool:
     """Where a weight called ``name`` goes: (attention layer, kind) for a KV scale of this
-    model, None for any other weight, False for a KV-scale name that lands on no layer."""
+    model, None for any other weight, False for a KV-scale name that lands on no layer.
+    ``paths``: the call's ``ModelPaths``, built at its first scale name."""
     from kvscale_plugin.hosts.vllm.scalepaths import ModelPaths
 
     mapped = map_scale_name(name, _HOST_NAME, cfg.model_type)
     kind = scale_kind(name)
     if mapped is None and kind is None and not name.endswith(".kv_scale"):
         return None
-    found = ModelPaths(cfg.attention_layers()).land(name, mapped)
+    if not paths:
+        paths.append(ModelPaths(cfg.attention_layers()))
+    found = paths[0].land(name, mapped)
     if found is not None:
         landing, layer = found
         return layer, landing.kind
@@ -343,8 +384,9 @@ def _divert(
     weights: Iterable[tuple[str, torch.Tensor]],
     taken: list[tuple[str, torch.Tensor, Any]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    paths: list[Any] = []
     for name, tensor in weights:
-        where = _landing(cfg, name)
+        where = _landing(cfg, name, paths)
         if where is None:
             yield name, tensor
         else:
@@ -435,7 +477,7 @@ def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Any]]) -> set[str
         )
         if len(updates) < total:
             what += f"; the other {total - len(updates)} keep theirs"
-    after_load(cfg, what, took_scales=bool(updates))
+    after_load(cfg, what, took_scales=bool(updates), quiet=not updates)
     return names
 
 
