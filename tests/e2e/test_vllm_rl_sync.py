@@ -168,6 +168,8 @@ def test_engine_sync_paths_fingerprint_and_served_copies(tiny, kvscale_warnings)
         reload_weights(llm, start)
         final = llm.collective_rpc(worker_fingerprint)[0]
         assert final["updates"] == 3 and final["fingerprint"] == first["fingerprint"]
+    assert not kvscale_warnings("could not tell whether the KV scales in force changed")
+    assert not kvscale_warnings("the check of the served KV scales failed")
 
 
 def _generate(llm, prompt: list[int]):
@@ -181,7 +183,7 @@ def _generate(llm, prompt: list[int]):
 
 
 @follows_cpu_fp8
-def test_no_cached_kv_is_read_under_other_scales(tiny):
+def test_no_cached_kv_is_read_under_other_scales(tiny, kvscale_warnings):
     """A prefix cached at s1, a scales-only update to s2 through collective_rpc, the same
     prompt again: with an FP8 cache, the prefix cache was reset (no cached token) and the
     generated tokens' log-probs equal a fresh engine's at s2. With a bf16 cache the scales
@@ -199,6 +201,18 @@ def test_no_cached_kv_is_read_under_other_scales(tiny):
         assert cached >= 64, "the prompt's prefix is not cached: the test proves nothing"
         llm.collective_rpc(_load(s2))
         tokens, logprobs, cached_after = _generate(llm, prompt)
+        if not CPU_FP8:
+            # The reset half on its own, on this engine's real scheduler: the engine core
+            # is told the workers' scales were different before this call (what an FP8
+            # engine's update makes true), and the next request finds nothing cached.
+            core = llm.llm_engine.engine_core.engine_core
+            assert hasattr(core, "_kvscale_scale_epoch")  # the wrapper ran on each call
+            # (one entry per worker: what its FP8 layers were written with)
+            core._kvscale_scale_epoch = ((("model.layers.0.self_attn.attn", (0.5,), (0.5,)),),)
+            llm.collective_rpc(worker_fingerprint)
+            forced_tokens, _, forced_cached = _generate(llm, prompt)
+            assert forced_cached == 0 and forced_tokens == tokens
+    assert not kvscale_warnings("could not tell whether the KV scales in force changed")
     if CPU_FP8:
         # s1 and s2 give different log-probs (else the test could not fail).
         assert before != pytest.approx(want_logprobs, abs=1e-5)

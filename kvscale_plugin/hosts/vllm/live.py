@@ -562,7 +562,8 @@ def _reset_if_changed(core: Any) -> None:
     setattr(core, _EPOCH_ATTR, now)
     if before is None or now == before:
         return
-    changed = sorted({name for (name, _k, _v) in set(now) ^ set(before)})
+    entries = [{entry for worker in epoch for entry in worker} for epoch in (now, before)]
+    changed = sorted({name for (name, _k, _v) in entries[0] ^ entries[1]})
     core.reset_prefix_cache(reset_running_requests=True)
     logger.info(
         "kvscale: the KV scales the FP8 cache is written with changed (%s): the prefix "
