@@ -14,6 +14,7 @@ import json
 import socket
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -96,6 +97,12 @@ def main() -> None:
             **extra,
         }
 
+    # What the engine core asks each worker after a collective_rpc (``live.scale_epoch``):
+    # the scales its FP8 caches are written with. A worker's only field it reads is
+    # ``vllm_config``.
+    worker = types.SimpleNamespace(vllm_config=vc)
+    epochs = {"start": live.scale_epoch(worker)}
+
     result: dict = {}
     start = {i: (held()[i]["k"], held()[i]["v"]) for i in layers}
     result["start"] = snapshot(trainer=scale_fingerprint(sent(start)))
@@ -106,6 +113,7 @@ def main() -> None:
     names = model.load_weights(sent(new))
     ms = (time.perf_counter() - t0) * 1e3
     result["all"] = snapshot(names=sorted(names), ms=ms, trainer=scale_fingerprint(sent(new)))
+    epochs["all"] = live.scale_epoch(worker)
 
     # Buckets: every k_scale in one call, every v_scale in the next.
     bucket = {0: (5.0, 5.5), 1: (6.5, 7.5)}
@@ -155,8 +163,10 @@ def main() -> None:
         m._v_scale.zero_()
         m._k_scale_cpu.zero_()
     result["cleared"] = snapshot()
+    epochs["before_weights_only"] = live.scale_epoch(worker)
     model.load_weights([("model.embed_tokens.weight", embed)])
     result["after_clear"] = snapshot(trainer=scale_fingerprint(sent(new)))
+    epochs["weights_only"] = live.scale_epoch(worker)
 
     # One copy set behind kvscale's back (a refit that wrote the device tensor only).
     layers[0]._v_scale.fill_(11.0)
@@ -166,6 +176,7 @@ def main() -> None:
     model.load_weights([("model.embed_tokens.weight", embed)])
     result["after_one_copy"] = snapshot()
 
+    result["epochs"] = epochs
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -104,6 +104,16 @@ def test_scales_through_model_load_weights_on_an_fp8_model(tiny, tmp_path):
     assert r["after_one_copy"]["fingerprint"] == r["after_clear"]["fingerprint"]
     assert "model.layers.0.self_attn.attn._v_scale held 11, in force 7" in log
 
+    # What the engine core compares to decide a prefix-cache reset: it changes with the
+    # scales an FP8 cache is written with, and not with a weights-only update.
+    epochs = r["epochs"]
+    assert [entry[0] for entry in epochs["start"]] == [
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+    ]
+    assert epochs["all"] != epochs["start"]
+    assert epochs["weights_only"] == epochs["before_weights_only"]
+
 
 def _sent(scales: dict[int, tuple[float, float]]) -> list[tuple[str, torch.Tensor]]:
     return [
