@@ -317,6 +317,21 @@ INTERNALS: tuple[Internal, ...] = (
         "under the old scales would be read under the new ones",
     ),
     _i(
+        "vllm.model_executor.model_loader.default_loader",
+        "DefaultModelLoader.load_weights",
+        "rl-sync",
+        "a checkpoint is loaded through the model's own load_weights, which kvscale wraps "
+        "on the loaded model instance (RL syncs call it directly, outside any load cycle)",
+        calls="load_weights",
+    ),
+    _i(
+        f"{_RELOAD}.layerwise",
+        "initialize_layerwise_reload",
+        "rl-sync",
+        "a reload or weight-transfer session restores the scale placeholders: a "
+        "model.load_weights inside it goes to the KV method (kvscale's wrapper passes it on)",
+    ),
+    _i(
         "vllm.v1.engine.core",
         "EngineCore.reset_prefix_cache",
         "rl-sync",
