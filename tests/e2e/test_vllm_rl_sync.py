@@ -15,12 +15,12 @@ import pytest
 import torch
 from _run_script import HERE, run_script
 from kvscale_testing.checkpoints import reference_token_ids
-from kvscale_testing.engines import reload_weights
+from kvscale_testing.engines import attention_layers, reload_weights
 from kvscale_testing.probe import layer_scales, vllm_engine
 from kvscale_testing.skips import CPU_FP8, KV_DTYPE, follows_cpu_fp8
 
 from kvscale_plugin.fingerprint import scale_fingerprint
-from kvscale_plugin.hosts.vllm.live import worker_fingerprint
+from kvscale_plugin.hosts.vllm.live import worker_check, worker_fingerprint
 from kvscale_plugin.scales import CorruptScaleError
 
 pytestmark = pytest.mark.engine
@@ -173,6 +173,13 @@ def test_engine_sync_paths_fingerprint_and_served_copies(tiny, kvscale_warnings)
         assert kvscale_warnings("did not hold the scales in force"), "no rewrite said"
         restored = llm.collective_rpc(worker_fingerprint)[0]
         assert restored["fingerprint"] == after["fingerprint"] and restored["updates"] == 2
+
+        # Cleared again, then checked on demand (what a caller runs after wake_up).
+        layer0 = attention_layers(llm)["model.layers.0.self_attn.attn"]
+        layer0._k_scale.zero_()
+        assert llm.collective_rpc(worker_check) == [["model.layers.0.self_attn.attn._k_scale"]]
+        assert llm.collective_rpc(worker_fingerprint)[0] == restored
+        assert llm.collective_rpc(worker_check) == [[]]
 
         # reload_weights with scales counts as an update.
         reload_weights(llm, start)

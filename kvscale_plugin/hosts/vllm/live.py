@@ -286,6 +286,14 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
     }
 
 
+def worker_check(worker: Any) -> list[str]:
+    """For ``llm.collective_rpc(worker_check)`` (e.g. right after ``wake_up``, which calls no
+    plugin): ``check_served`` on this worker's layers now; returns the copies rewritten."""
+    layers = [layer for layer in engine_layers(worker) if is_kvscale_layer(layer)]
+    configs = {id(c): c for c in map(kvscale_config, layers) if c is not None}
+    return [copy for cfg in configs.values() for copy in check_served(cfg)]
+
+
 def announce(cfg: EngineConfig, what: str, level: int = logging.INFO) -> None:
     """The line after a load or update: the fingerprint and the counter."""
     if not logger.isEnabledFor(level):
