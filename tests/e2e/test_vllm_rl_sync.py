@@ -239,3 +239,28 @@ def test_no_cached_kv_is_read_under_other_scales(tiny, kvscale_warnings):
     else:
         assert cached_after == cached
         assert tokens == want_tokens
+
+
+@follows_cpu_fp8
+def test_tensor_parallel_sync_through_worker_processes(tiny, tmp_path):
+    """TP=2 in vLLM's multiprocessing mode: the update function and its tensors reach every
+    worker process, each rank takes the scales and reports its own fingerprint, which equals
+    the trainer's for that rank; a corrupt update is refused (vLLM's multiprocess executor
+    hands the caller a plain ``Exception`` carrying kvscale's message)."""
+    ckpt = tiny("rl-start", scales=START)
+    r = run_script(
+        HERE / "_multiproc_sync.py", str(ckpt), "2", KV_DTYPE, tmp_path=tmp_path, timeout=400
+    )
+    new = {0: (6.0, 7.0), 1: (8.0, 9.0)}
+    assert [fp["tp_rank"] for fp in r["start"]] == [0, 1]
+    for rank, (start, after) in enumerate(zip(r["start"], r["after"], strict=True)):
+        assert start["updates"] == 1 and start["tp_size"] == 2
+        want = scale_fingerprint(_sent(_served(START)), tp_rank=rank, tp_size=2)
+        assert start["fingerprint"] == want
+        assert after["updates"] == 2
+        assert after["fingerprint"] == scale_fingerprint(
+            _sent(_served(new)), tp_rank=rank, tp_size=2
+        )
+    assert all("model.layers.1.self_attn.attn.v_scale" in names for names in r["names"])
+    assert r["refused"] is not None and "model.layers.1.self_attn.v_scale: NaN" in r["refused"]
+    print(f"TP=2 scales-only update through collective_rpc: {r['ms']:.1f} ms")

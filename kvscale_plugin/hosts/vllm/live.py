@@ -545,20 +545,23 @@ def _core_collective_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         if not hasattr(self, _EPOCH_ATTR):
             setattr(self, _EPOCH_ATTR, _engine_epoch(self))
+        # A call that raised is not followed by the check: what kvscale refuses changes no
+        # scale, and vLLM 0.32's multiprocess executor stops reading the workers' answers
+        # at the first failing rank, so another call now would read the others' stale ones.
+        # (A change it missed is found by the next call's check: the epoch stays.)
+        result = original(self, *args, **kwargs)
         try:
-            return original(self, *args, **kwargs)
-        finally:
-            try:
-                _reset_if_changed(self)
-            except Exception as exc:  # noqa: BLE001 - said; the call's own outcome stands
-                warn_once(
-                    "live-epoch-failed",
-                    "kvscale: could not tell whether the KV scales in force changed after "
-                    "this collective_rpc (%s: %s); if they did, reset the prefix cache "
-                    "yourself (llm.reset_prefix_cache()).",
-                    type(exc).__name__,
-                    exc,
-                )
+            _reset_if_changed(self)
+        except Exception as exc:  # noqa: BLE001 - said; the call's own outcome stands
+            warn_once(
+                "live-epoch-failed",
+                "kvscale: could not tell whether the KV scales in force changed after "
+                "this collective_rpc (%s: %s); if they did, reset the prefix cache "
+                "yourself (llm.reset_prefix_cache()).",
+                type(exc).__name__,
+                exc,
+            )
+        return result
 
     setattr(collective_rpc, _CORE_WRAPPED, True)
     return collective_rpc
