@@ -58,7 +58,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from kvscale_plugin.fingerprint import scale_fingerprint
-    from kvscale_plugin.hosts.vllm import live
+    from kvscale_plugin.hosts.vllm import live, prefixcache
     from kvscale_plugin.scales import CorruptScaleError
 
     ckpt = sys.argv[1]
@@ -97,11 +97,11 @@ def main() -> None:
             **extra,
         }
 
-    # What the engine core asks each worker after a collective_rpc (``live.scale_epoch``):
+    # What the engine core asks each worker after a collective_rpc (``prefixcache.scale_epoch``):
     # the scales its FP8 caches are written with. A worker's only field it reads is
     # ``vllm_config``.
     worker = types.SimpleNamespace(vllm_config=vc)
-    epochs = {"start": live.scale_epoch(worker)}
+    epochs = {"start": prefixcache.scale_epoch(worker)}
 
     result: dict = {}
     start = {i: (held()[i]["k"], held()[i]["v"]) for i in layers}
@@ -113,7 +113,7 @@ def main() -> None:
     names = model.load_weights(sent(new))
     ms = (time.perf_counter() - t0) * 1e3
     result["all"] = snapshot(names=sorted(names), ms=ms, trainer=scale_fingerprint(sent(new)))
-    epochs["all"] = live.scale_epoch(worker)
+    epochs["all"] = prefixcache.scale_epoch(worker)
 
     # Buckets: every k_scale in one call, every v_scale in the next.
     bucket = {0: (5.0, 5.5), 1: (6.5, 7.5)}
@@ -163,10 +163,10 @@ def main() -> None:
         m._v_scale.zero_()
         m._k_scale_cpu.zero_()
     result["cleared"] = snapshot()
-    epochs["before_weights_only"] = live.scale_epoch(worker)
+    epochs["before_weights_only"] = prefixcache.scale_epoch(worker)
     model.load_weights([("model.embed_tokens.weight", embed)])
     result["after_clear"] = snapshot(trainer=scale_fingerprint(sent(new)))
-    epochs["weights_only"] = live.scale_epoch(worker)
+    epochs["weights_only"] = prefixcache.scale_epoch(worker)
 
     # One copy set behind kvscale's back (a refit that wrote the device tensor only).
     layers[0]._v_scale.fill_(11.0)

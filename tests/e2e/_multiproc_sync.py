@@ -59,7 +59,8 @@ if __name__ == "__main__":
     except Exception as exc:  # noqa: BLE001 - what reaches the caller across processes
         result["refused"] = f"{type(exc).__name__}: {exc}"
         result["refused_is_corrupt"] = isinstance(exc, CorruptScaleError)
-    # Nothing after the refusal: vLLM 0.32's multiprocess executor raises at the first
-    # failing rank and leaves the other ranks' answers queued, so the next collective_rpc
-    # would read those (an upstream limitation, stock alike).
+    # vLLM 0.32's multiprocess executor raises at the first failing rank and leaves the
+    # later ranks' answers queued for the next call; kvscale raises on the last rank only,
+    # so the channel still answers right.
+    result["after_refused"] = llm.collective_rpc(worker_fingerprint)
     print("RESULT " + json.dumps(result), flush=True)

@@ -253,7 +253,9 @@ def test_tensor_parallel_sync_through_worker_processes(tiny, tmp_path):
     )
     new = {0: (6.0, 7.0), 1: (8.0, 9.0)}
     assert [fp["tp_rank"] for fp in r["start"]] == [0, 1]
-    for rank, (start, after) in enumerate(zip(r["start"], r["after"], strict=True)):
+    for rank, (start, after, refused) in enumerate(
+        zip(r["start"], r["after"], r["after_refused"], strict=True)
+    ):
         assert start["updates"] == 1 and start["tp_size"] == 2
         want = scale_fingerprint(_sent(_served(START)), tp_rank=rank, tp_size=2)
         assert start["fingerprint"] == want
@@ -261,6 +263,7 @@ def test_tensor_parallel_sync_through_worker_processes(tiny, tmp_path):
         assert after["fingerprint"] == scale_fingerprint(
             _sent(_served(new)), tp_rank=rank, tp_size=2
         )
+        assert refused == after  # nothing taken, and every rank's answer read in order
     assert all("model.layers.1.self_attn.attn.v_scale" in names for names in r["names"])
     assert r["refused"] is not None and "model.layers.1.self_attn.v_scale: NaN" in r["refused"]
     print(f"TP=2 scales-only update through collective_rpc: {r['ms']:.1f} ms")

@@ -55,7 +55,7 @@ FEATURES: dict[str, Feature] = {
         "copies checked after every load, a scale fingerprint, the prefix cache reset "
         "when the scales an FP8 cache is written with change",
         # (the model's own load_weights is wrapped at the end of its start-up load)
-        "live.install",
+        "prefixcache.install",
     ),
     # The KV method runs the check (``deployment.check_deployment``).
     "deployment-check": Feature(

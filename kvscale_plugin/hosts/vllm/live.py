@@ -17,11 +17,7 @@
 * **A fingerprint** of the copies the backend reads (``kvscale_plugin.fingerprint``) and
   an update counter, per worker: ``llm.collective_rpc(worker_fingerprint)``, and logged at
   INFO after each load and update.
-* **No cached KV read under other scales.** vLLM's prefix cache lives in the engine core,
-  which no worker can reach: ``EngineCore.collective_rpc`` (the path of every sync:
-  ``reload_weights``, weight-transfer sessions, ``model.load_weights``) asks the workers
-  afterwards whether the scales their FP8 caches are written with changed, and if so
-  resets the prefix cache with its running requests (they are recomputed).
+* **No cached KV read under other scales**: ``prefixcache``.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +42,7 @@ from kvscale_plugin.hosts.vllm.layers import (
     layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.process import HOST
+from kvscale_plugin.hosts.vllm.runtime import last_rank
 from kvscale_plugin.loadcycle import layer_record, read_scale
 from kvscale_plugin.names import main_stack_index, map_scale_name, scale_kind
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales, ResolvedScales, ScaleSource
@@ -443,13 +440,21 @@ def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Any]]) -> set[str
         lines = "\n".join(
             f"  - {name}: {why}" for name, why in sorted(corrupt.as_mapping().items())
         )
-        raise CorruptScaleError(
+        message = (
             f"kvscale: refused the {len(corrupt)} corrupt KV-scale tensor(s) of this "
             f"model.load_weights call:\n{lines}\nNo scale of the call was taken: every "
             "attention layer keeps the scales in force (the call's other weights were "
             "loaded). Fix them where they are computed (a scale is a positive, finite "
             "number) and send the scales again."
         )
+        if last_rank():
+            raise CorruptScaleError(message)
+        # Every rank refuses the same tensors (each checks all heads); only the last one
+        # raises: vLLM's multiprocess executor reads the ranks' answers in order and stops
+        # at the first failure, so a raise on an earlier rank would leave the later ranks'
+        # answers queued for the next collective_rpc.
+        logger.warning("%s (Raised by the engine's last rank.)", message)
+        return set()
     factor = 2.0 if _fnuz() else 1.0
     names: set[str] = set()
     served = 0
@@ -506,93 +511,3 @@ def wrap_loaded_models(cfg: Any) -> None:
     for root in roots.values():
         if callable(getattr(root, "load_weights", None)):
             wrap_model(cfg, root)
-
-
-# -- no cached KV read under other scales ------------------------------------------------
-
-
-def scale_epoch(worker: Any) -> tuple[Any, ...]:
-    """For the engine core (``collective_rpc``): what this worker's FP8 caches are written
-    with, per layer (layers whose cache uses no scales are left out)."""
-    held = []
-    for layer in engine_layers(worker):
-        cfg, record = kvscale_config(layer), layer_record(layer)
-        if cfg is None or record is None or record.resolved is None:
-            continue
-        if not layer_serves_checkpoint_scales(cfg.kv_verdict, layer):
-            continue
-        held.append((record.name, record.resolved.k_heads, record.resolved.v_heads))
-    return tuple(held)
-
-
-_EPOCH_ATTR = "_kvscale_scale_epoch"
-_CORE_WRAPPED = "__kvscale_core_rpc__"
-
-
-def _is_kvscale_engine(core: Any) -> bool:
-    config = getattr(core, "vllm_config", None)
-    return getattr(getattr(config, "model_config", None), "quantization", None) == "kvscale"
-
-
-def _engine_epoch(core: Any) -> tuple[Any, ...]:
-    return tuple(core.model_executor.collective_rpc(scale_epoch))
-
-
-def _core_collective_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def collective_rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _is_kvscale_engine(self):
-            return original(self, *args, **kwargs)
-        if not hasattr(self, _EPOCH_ATTR):
-            setattr(self, _EPOCH_ATTR, _engine_epoch(self))
-        # A call that raised is not followed by the check: what kvscale refuses changes no
-        # scale, and vLLM 0.32's multiprocess executor stops reading the workers' answers
-        # at the first failing rank, so another call now would read the others' stale ones.
-        # (A change it missed is found by the next call's check: the epoch stays.)
-        result = original(self, *args, **kwargs)
-        try:
-            _reset_if_changed(self)
-        except Exception as exc:  # noqa: BLE001 - said; the call's own outcome stands
-            warn_once(
-                "live-epoch-failed",
-                "kvscale: could not tell whether the KV scales in force changed after "
-                "this collective_rpc (%s: %s); if they did, reset the prefix cache "
-                "yourself (llm.reset_prefix_cache()).",
-                type(exc).__name__,
-                exc,
-            )
-        return result
-
-    setattr(collective_rpc, _CORE_WRAPPED, True)
-    return collective_rpc
-
-
-def _reset_if_changed(core: Any) -> None:
-    before = getattr(core, _EPOCH_ATTR, None)
-    now = _engine_epoch(core)
-    setattr(core, _EPOCH_ATTR, now)
-    if before is None or now == before:
-        return
-    entries = [{entry for worker in epoch for entry in worker} for epoch in (now, before)]
-    changed = sorted({name for (name, _k, _v) in entries[0] ^ entries[1]})
-    core.reset_prefix_cache(reset_running_requests=True)
-    logger.info(
-        "kvscale: the KV scales the FP8 cache is written with changed (%s): the prefix "
-        "cache was reset and running requests will be recomputed, so no cached KV is read "
-        "under other scales than it was written with.",
-        shorten(changed, "layers"),
-    )
-
-
-def install() -> None:
-    """The ``rl-sync`` feature: ``EngineCore.collective_rpc`` resets the prefix cache when
-    the scales in force changed (kvscale engines only; any other engine in the process
-    runs vLLM's method unchanged). Idempotent."""
-    from vllm.v1.engine.core import EngineCore
-
-    from kvscale_plugin.hosts.vllm.internals import replace
-
-    original = EngineCore.__dict__["collective_rpc"]
-    if getattr(original, _CORE_WRAPPED, False):
-        return
-    replace(EngineCore, "collective_rpc", _core_collective_rpc(original))

@@ -28,6 +28,7 @@ The records are consumed by that look: the next reload starts clean.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -45,10 +46,13 @@ from kvscale_plugin.hosts.vllm.layers import (
 )
 from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
+from kvscale_plugin.hosts.vllm.runtime import last_rank
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
 from kvscale_plugin.loadcycle import LayerRecord, Verdict, layer_record
 from kvscale_plugin.notices import refused_reload_message, warn_verdict
 from kvscale_plugin.scales import CorruptScaleError
+
+logger = logging.getLogger("kvscale_plugin")
 
 
 def _record(layer: torch.nn.Module) -> LayerRecord:
@@ -94,7 +98,10 @@ def report_verdict(cfg: EngineConfig, verdict: Verdict) -> None:
     if verdict.unread_q:
         warn_unread_q_scales(verdict.unread_q, cfg.warn_scope)
     if verdict.refused:
-        raise CorruptScaleError(refused_reload_message(verdict.refused, "vLLM"))
+        message = refused_reload_message(verdict.refused, "vLLM")
+        if last_rank():
+            raise CorruptScaleError(message)
+        logger.error("%s (Raised by the engine's last rank.)", message)
 
 
 def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:

@@ -54,3 +54,25 @@ def keeps_placeholders() -> bool:
         return find_spec("vllm.model_executor.model_loader.reload.direct") is not None
     except (ImportError, ValueError):
         return False
+
+
+def last_rank() -> bool:
+    """This worker answers last in vLLM's executor (highest TP rank of the last pipeline
+    stage), or no parallel groups exist here. vLLM 0.32's multiprocess executor reads the
+    ranks' answers in order and stops at the first failure, leaving the later ranks'
+    answers queued for the next ``collective_rpc``: a refusal every rank makes is raised
+    by this one only."""
+    try:
+        from vllm.distributed import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        pp = get_pp_group()
+        return (
+            get_tensor_model_parallel_rank() == get_tensor_model_parallel_world_size() - 1
+            and pp.rank_in_group == pp.world_size - 1
+        )
+    except Exception:  # noqa: BLE001 - no groups (a model built alone): this is the only rank
+        return True
