@@ -41,9 +41,9 @@ COMPAT_VLLM := 0.30.0 0.31.0
 # a CPU with AMX, vLLM 0.32's CPU kernels use it without asking, and a fresh engine process
 # dies with SIGILL.
 AMX_SITE := $(CURDIR)/tests/support/amx_site
-test test-fast test-sglang test-compat test-without-fp8-cpu llmcompressor-checkpoints eval bench bench-serve: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
+test test-fast test-sglang test-compat test-without-fp8-cpu llmcompressor-checkpoints eval bench bench-serve bench-sync: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: check-vllm venv envs test test-fast test-sglang test-compat test-without-fp8-cpu lint format bench bench-serve eval clean llmcompressor-checkpoints
+.PHONY: check-vllm venv envs test test-fast test-sglang test-compat test-without-fp8-cpu lint format bench bench-serve bench-sync eval clean llmcompressor-checkpoints
 
 venv: $(VENV)/.kvscale-installed
 
@@ -170,6 +170,11 @@ eval: venv
 bench: venv
 	$(PY) benchmarks/cache_write.py
 	$(PY) benchmarks/startup.py
+
+# RL weight sync into a running -q kvscale engine: a scales-only update through
+# collective_rpc beside a full weights update (SmolLM2-135M, multiprocess engine).
+bench-sync: venv
+	$(PY) benchmarks/rl_sync.py $(ARGS)
 
 # A server under load (vllm serve + vllm bench serve) with a bf16, a stock FP8 and a kvscale
 # FP8 cache on SmolLM2-135M, rounds alternated; e.g. make bench-serve ARGS="--budgets 64".
