@@ -47,7 +47,7 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
-from kvscale_plugin.hosts.sglang import state
+from kvscale_plugin.hosts.sglang import live, state
 from kvscale_plugin.hosts.sglang.backends import (
     BackendAction,
     BackendVerdict,
@@ -282,6 +282,11 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         if record is None:
             return
         cfg = self.quant_config
+        if record.name not in cfg.cycle.pending and record.resolved is not None:
+            # Post-processing outside a load cycle (checkpoint-engine's post hook after
+            # update_weights_from_ipc): the model.load_weights calls before it were cycles
+            # of their own (live.standalone), which served and checked their scales.
+            return
         loaded = dict(record.loaded)
 
         # The one policy (loadcycle.py); SGLang builds no KV method without a scheme.
@@ -331,13 +336,16 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 def _end_cycle(cfg: KVScaleConfig) -> None:
     """Every layer of the cycle processed: sharing layers re-synced with their targets and
     what they shipped said once; the cycle's verdict reported (by the caller, where it
-    answers the reload itself: ``patches._hook_update_weights_from_disk``)."""
+    answers the reload itself: ``patches._hook_update_weights_from_disk``). Then the
+    served copies are checked, the update counted and the fingerprint logged
+    (``live.after_cycle``)."""
     for record, resolved in cfg.cycle.sharing_records():
         layer = cfg._layers.get(record.name)
         if layer is not None:
             _write_scales(layer, record, resolved)
     for i, message in enumerate(cfg.shared.warnings()):
         warn_once(f"sglang-shared-kv-{i}", "%s", message)
+    live.after_cycle(cfg, took_scales=cfg.cycle.verdict.took_scales)
     if not cfg.cycle.caller_reports:
         refused = report_verdict(cfg)
         if refused:

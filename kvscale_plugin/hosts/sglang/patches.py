@@ -19,7 +19,24 @@ SGLang moves code. ``PATCHES`` lists every patch: its target, its kind (``AFTER`
    gets the KV method SGLang does not give it (``ATTENTION_WITHOUT_QUANT_CONFIG``);
 7. ``sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.
    update_weights_from_disk``: a reload kvscale refused is answered as failed
-   (``_hook_update_weights_from_disk``).
+   (``_hook_update_weights_from_disk``);
+8. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_disk``,
+9. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_tensor``,
+10. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_distributed``,
+11. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_ipc`` and
+12. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.end_weight_update``:
+   on an FP8 pool the radix cache is flushed when a sync changed the scales and SGLang did
+   not flush it (``_hook_scheduler_sync``, ``live.after_sync``);
+13. ``sglang.srt.managers.scheduler.Scheduler.get_internal_state``: the scale
+   fingerprint returned by ``Engine.get_server_info()`` (``_hook_internal_state``).
+
+Not a patch: a model's ``load_weights`` wrapper (patch 1) makes a call outside SGLang's
+load cycles a cycle of its own (``live.start_standalone``), so its scales are served.
 
 A moved target fails loudly. SGLang's ``HookRegistry.apply_hooks`` only logs a target
 it cannot resolve and carries on, which would serve with stock behaviour (dropped or
@@ -51,6 +68,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_pl
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger
 from kvscale_plugin.hosts._common import parameter_names, resolve_attribute
+from kvscale_plugin.hosts.sglang import live
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig, report_verdict
 from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.names import (
@@ -63,6 +81,7 @@ from kvscale_plugin.names import (
 )
 from kvscale_plugin.notices import warn_unmapped_scales
 from kvscale_plugin.releases import SGLANG_RUN
+from kvscale_plugin.scales import CorruptScaleError
 
 #: The SGLang release these patches were written against (and tested with).
 WRITTEN_AGAINST = "0.5.23"
@@ -224,6 +243,12 @@ def _install_name_mapping(
             else None
         )
         mtp = MtpLayers(num_hidden_layers, draft_layers, declared_mtp)
+        # Outside SGLang's load cycles nothing post-processes this call: it is its own.
+        own = (
+            live.start_standalone(cfg, owner)
+            if owner is not None and not live.in_load_cycle(cfg)
+            else None
+        )
         cfg.cycle.weight_loads += 1
         token = _ACTIVE_CONFIG.set(cfg)
         try:
@@ -237,9 +262,13 @@ def _install_name_mapping(
             )
             if unmapped:
                 warn_unmapped_scales(unmapped)
-            return result
         finally:
             _ACTIVE_CONFIG.reset(token)
+        if own is not None:
+            refused = live.end_standalone(cfg, own)
+            if refused:
+                raise CorruptScaleError(refused)
+        return result
 
     load_weights._kvscale_wrapped = True  # type: ignore[attr-defined]
     model.load_weights = load_weights
@@ -310,15 +339,59 @@ def _hook_update_weights_from_disk(
     if not isinstance(cfg, KVScaleConfig):
         return original(updater, *args, **kwargs)
     cfg.cycle.caller_reports = True
+    live.state(cfg).label = "update_weights_from_disk"
     try:
         result = original(updater, *args, **kwargs)
     finally:
         cfg.cycle.caller_reports = False
+        live.state(cfg).label = None
     refused = report_verdict(cfg)
     if refused and isinstance(result, tuple) and result and result[0]:
         return False, refused
     return result
 
+
+def _hook_scheduler_sync(
+    original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``SchedulerWeightUpdaterManager``'s sync entry points: on an FP8 pool, a
+    sync that changed the scales in force flushes the radix cache when SGLang did not
+    (``flush_cache=False``; ``end_weight_update``, where a session's scales are served,
+    flushes nothing), so no KV is read under other scales than it was written with."""
+    found = live.manager_config(manager)
+    if found is None or not found[1]:
+        return original(manager, *args, **kwargs)
+    cfg = found[0]
+    before = live.scale_epoch(cfg)
+    output = original(manager, *args, **kwargs)
+    recv_req = args[0] if args else kwargs.get("recv_req")
+    return live.after_sync(manager, recv_req, before, cfg, output)
+
+
+def _hook_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER ``Scheduler.get_internal_state``: the answer (``Engine.get_server_info()``'s
+    ``internal_states``) carries kvscale's fingerprint and update counter under
+    ``"kvscale"`` (SGLang 0.5.23's ``collective_rpc`` returns no value; this is the one
+    request that returns a scheduler's state as a dict)."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    cfg = getattr(getattr(runner, "model", None), "quant_config", None)
+    state_dict = getattr(result, "internal_state", None)
+    if isinstance(cfg, KVScaleConfig) and isinstance(state_dict, dict):
+        try:
+            state_dict["kvscale"] = live.server_info(cfg)
+        except Exception as exc:  # noqa: BLE001 - never break the request
+            state_dict["kvscale"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return result
+
+
+#: The scheduler's weight-sync entry points (``SchedulerWeightUpdaterManager``).
+SCHEDULER_SYNCS = (
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "update_weights_from_ipc",
+    "end_weight_update",
+)
 
 # Attention modules of SGLang 0.5.23 that build RadixAttention without quant_config,
 # so compressed-tensors KV scales are silently dropped for them.
@@ -444,6 +517,30 @@ PATCHES: tuple[Patch, ...] = (
         "and the bad tensors (without it, SGLang reports success and the refusal is only "
         "logged)",
         params=("model_path", "load_format"),
+        leading=True,
+    ),
+    *(
+        Patch(
+            "sglang.srt.managers.scheduler_components.weight_updater",
+            f"SchedulerWeightUpdaterManager.{method}",
+            _hook_scheduler_sync,
+            HookType.AROUND,
+            f"flushes the radix cache after {method} when it changed the KV scales an FP8 "
+            "cache is written with and SGLang did not flush it (without it, KV cached under "
+            "the old scales is read under the new ones)",
+            params=("recv_req",),
+            leading=True,
+        )
+        for method in SCHEDULER_SYNCS
+    ),
+    Patch(
+        "sglang.srt.managers.scheduler",
+        "Scheduler.get_internal_state",
+        _hook_internal_state,
+        HookType.AFTER,
+        "returns kvscale's scale fingerprint and update counter in get_server_info's "
+        "internal_states (without it, they are only logged)",
+        params=("recv_req",),
         leading=True,
     ),
 )
