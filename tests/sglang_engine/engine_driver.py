@@ -10,7 +10,11 @@ optionally ``"steps"``: weight updates run after that first request, each follow
 same request again -- ``{"update_weights_from_disk": PATH}``, or
 ``{"update_weights_from_tensor": PATH}`` (a session: ``begin_weight_update``, the
 checkpoint's tensors without its ``*_scale`` ones, as a trainer sends them,
-``end_weight_update``).
+``end_weight_update``), ``{"session_tensors": {name: value}}`` (a session sending these
+scalar tensors only), ``{"tensors_without_session": {name: value}}`` (the same without
+``begin_weight_update``) or ``{"rpc": METHOD, "params": {...}}`` (``collective_rpc``).
+After the first request and after each step, ``get_server_info()``'s
+``internal_states[0]["kvscale"]`` is kept (``"kvscale"``).
 OUT: ``{"pid", "start_s", "input_token_logprobs", "output_token_logprobs"}`` (each a list
 of ``[logprob, token_id]``) and ``"steps"`` (each ``{"answer", "output_token_logprobs"}``),
 or ``{"pid", "start_s", "error"}`` when the Engine did not start or a request failed.
@@ -54,13 +58,35 @@ def _trainer_weights(path: str) -> list[tuple[str, Any]]:
     return [(n, t) for n, t in tensors.items() if not n.endswith("_scale")]
 
 
+def _tensors(values: dict[str, Any]) -> list[tuple[str, Any]]:
+    import torch
+
+    return [(n, torch.tensor(v, dtype=torch.float32)) for n, v in values.items()]
+
+
 def _step(engine: Any, step: dict[str, Any]) -> Any:
     if "update_weights_from_disk" in step:
         return list(engine.update_weights_from_disk(step["update_weights_from_disk"]))
+    if "session_tensors" in step:  # a session that sends these tensors only
+        engine.begin_weight_update()
+        answer = engine.update_weights_from_tensor(_tensors(step["session_tensors"]))
+        engine.end_weight_update()
+        return list(answer)
+    if "tensors_without_session" in step:
+        return list(engine.update_weights_from_tensor(_tensors(step["tensors_without_session"])))
+    if "rpc" in step:  # a scheduler method (the probe's, see kvscale_engine_probe)
+        engine.collective_rpc(step["rpc"], **step.get("params", {}))
+        return [True, "rpc"]
     engine.begin_weight_update()
     answer = engine.update_weights_from_tensor(_trainer_weights(step["update_weights_from_tensor"]))
     engine.end_weight_update()
     return list(answer)
+
+
+def _kvscale_info(engine: Any) -> Any:
+    """What kvscale returns through ``get_server_info`` (its scale fingerprint)."""
+    states = engine.get_server_info().get("internal_states") or [{}]
+    return states[0].get("kvscale")
 
 
 _quit_signals: list[int] = []
@@ -90,11 +116,15 @@ def main(spec_path: str, out_path: str) -> int:
     result["start_s"] = time.monotonic() - start
     try:
         result.update(_generate(engine, spec))
+        result["kvscale"] = _kvscale_info(engine)
         result["steps"] = []
         for step in spec.get("steps", []):
             answer = _step(engine, step)
+            kvscale = _kvscale_info(engine)
             out = _generate(engine, spec)["output_token_logprobs"]
-            result["steps"].append({"answer": answer, "output_token_logprobs": out})
+            result["steps"].append(
+                {"answer": answer, "output_token_logprobs": out, "kvscale": kvscale}
+            )
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -66,7 +66,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_plugin_source
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import logger
+from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.hosts._common import parameter_names, resolve_attribute
 from kvscale_plugin.hosts.sglang import live
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig, report_verdict
@@ -615,13 +615,33 @@ def check_targets(patches: Iterable[Patch] | None = None) -> None:
 
 
 def register_hooks() -> None:
-    """Check every target (``check_targets``), then register each patch exactly once."""
+    """Check every target (``check_targets``), then register each patch exactly once.
+
+    SGLang 0.5.23's ``HookRegistry.apply_hooks`` skips a target it patched before: a hook
+    registered on a target another plugin's hooks were applied to (``load_plugins`` applies
+    them before kvscale's go in, when a model claims kvscale) would never run, without a
+    word. Those are applied here, on top of what is there."""
     check_targets()
+    late = []
     for patch in PATCHES:
         if any(h is patch.hook for _, h, _ in HookRegistry._hooks.get(patch.target, ())):
             continue
+        if patch.target in HookRegistry._patched:
+            late.append(patch)
         HookRegistry.register(patch.target, patch.hook, patch.kind)
     if _current_plugin_source.get() is None:
         # Called outside load_plugins() (which applies hooks itself once every plugin
         # ran): apply now so that a direct register() call takes effect.
         HookRegistry.apply_hooks()
+    for patch in late:
+        apply_target = getattr(HookRegistry, "_apply_target", None)
+        if apply_target is None:
+            warn_once(
+                f"sglang-late-hook-{patch.target}",
+                "kvscale: another SGLang plugin patched %s first, and this SGLang cannot "
+                "add kvscale's hook there: it %s is not in effect.",
+                patch.target,
+                patch.does.split(" (without it", 1)[0],
+            )
+            continue
+        apply_target(patch.target, [(patch.kind, patch.hook, None)])
