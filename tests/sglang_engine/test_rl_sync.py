@@ -17,7 +17,9 @@ After the first request, each step is followed by the same request:
 3. a session sending the model's weights only: the zeroed copies rewritten from kvscale's
    record, said once; the fingerprint is the trainer's again; the counter stays;
 4. one copy (layer 1's ``k_scale_float``) set behind kvscale's back: the fingerprint shows it;
-5. ``update_weights_from_disk`` with new scales: taken (update 3), every copy written.
+5. ``update_weights_from_disk`` with new scales: taken (update 3), every copy written;
+6. a session whose scale tensors a trainer process broadcasts over gloo
+   (``update_weights_from_distributed``): taken (update 4).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvscale_plugin.fingerprint import scale_fingerprint
 
 SCALES_A = {0: (3.25, 2.5), 1: (4.75, 2.125)}
 SCALES_B = {0: (1.5, 0.75), 1: (6.5, 5.25)}
+SCALES_C = {0: (2.125, 1.25), 1: (0.625, 0.375)}
 
 
 def scale_values(scales) -> dict[str, float]:
@@ -64,6 +67,7 @@ def run(run_engine, checkpoints):
             "params": {"layer_id": 1, "copy": "k_scale_float", "value": 9.0},
         },
         {"update_weights_from_disk": str(a)},
+        {"distributed": scale_values(SCALES_C)},
     ]
     result = run_engine("rl-sync", a, list(reference_token_ids(a)), steps=steps, log_level="info")
     assert result.error is None, f"{result.error}\n{result.log[-4000:]}"
@@ -106,7 +110,7 @@ def test_update_weights_from_tensor_without_a_session_is_refused_by_sglang(run, 
     _, b = checkpoints
     ok, message = run.result["steps"][1]["answer"]
     assert ok is False and "must run between" in message, message
-    assert len(run.probe["updates"]) == 3  # steps 0, 3, 5: nothing reached the runner
+    assert len(run.probe["updates"]) == 4  # steps 0, 3, 5, 6: nothing reached the runner
     assert kvscale(run, 1)["updates"] == 2
     assert raw(run.probe["updates"][1]) == stored(b)  # still b's at the next session
 
@@ -140,13 +144,22 @@ def test_one_copy_set_behind_kvscale_s_back_shows_and_the_next_update_writes_it(
 
 def test_each_load_logs_the_fingerprint_and_the_counter(run):
     lines = [line for line in run.log.splitlines() if "KV scales in force have fingerprint" in line]
-    assert len(lines) == 4, run.log[-4000:]
-    labels = ("start-up load", "weight-update session", "weight-update session")
-    for line, n, label in zip(
-        lines, (1, 2, 2, 3), (*labels, "update_weights_from_disk"), strict=True
-    ):
+    assert len(lines) == 5, run.log[-4000:]
+    session = "weight-update session"
+    labels = ("start-up load", session, session, "update_weights_from_disk", session)
+    for line, n, label in zip(lines, (1, 2, 2, 3, 4), labels, strict=True):
         assert f"kvscale: {label}: KV scales" in line, line
         assert f"fingerprint {ONES} (update {n}, 2 layers)" in line, line
     # That label comes from kvscale's hook on WeightUpdater.update_weights_from_disk, a
     # target the test probe plugin hooked first: SGLang's HookRegistry skips a target it
     # patched before, so it shows that kvscale's hook is applied on top (register_hooks).
+
+
+def test_scales_through_update_weights_from_distributed_are_taken(run):
+    ok, message = run.result["steps"][6]["answer"]
+    assert ok is True, message
+    update = run.probe["updates"][3]
+    assert update["method"] == "end_weight_update"
+    assert raw(update) == {i: {"k_scale": k, "v_scale": v} for i, (k, v) in SCALES_C.items()}
+    info = kvscale(run, 6)
+    assert info["updates"] == 4 and info["fingerprint"] == ONES and info["consistent"], info
