@@ -100,6 +100,18 @@ def test_scales_only_outside_a_session_are_served(ckpt, send):
     assert info(model)["updates"] == 2  # the start-up load, this one
 
 
+def test_k_and_v_in_different_calls_outside_a_session(ckpt):
+    """A trainer's buckets may carry a layer's k_scale and v_scale in different calls:
+    each call changes what it names, the other scale stays in force."""
+    model, config = build_model(ckpt)
+    updater = weight_updater(model, config)
+    updater.update_weights_from_tensor([("model.layers.0.self_attn.k_scale", torch.tensor(6.5))])
+    assert_scales(layer_scales(model), {0: (6.5, SCALES[0][1]), 1: SCALES[1]})
+    updater.update_weights_from_tensor([("model.layers.0.self_attn.v_scale", torch.tensor(0.5))])
+    assert_scales(layer_scales(model), {0: (6.5, 0.5), 1: SCALES[1]})
+    assert info(model)["updates"] == 3
+
+
 def test_a_corrupt_scale_outside_a_session_refuses_the_call_s_scales(ckpt):
     model, config = build_model(ckpt)
     updater = weight_updater(model, config)

@@ -9,7 +9,8 @@
   post-processed: the scale loaders recorded values that were never served, and SGLang
   answered success. kvscale makes such a call its own load cycle (``standalone_update``):
   the scales it carried are judged together (one corrupt tensor refuses them all, the
-  layers keep the scales in force) and served before the call returns.
+  layers keep the scales in force) and served before the call returns; a layer's k or v
+  scale sent alone changes that one (``_keep_the_other_scale``).
 * **The served state is checked** at the end of every cycle (``check_served``): every copy
   a backend reads (``k_scale`` / ``v_scale``, ``k_scale_float`` / ``v_scale_float``,
   the record's mirrors, the per-head copies) is compared with the scales in force and
@@ -305,12 +306,29 @@ def start_standalone(cfg: Any, model: torch.nn.Module) -> list[torch.nn.Module]:
     return own
 
 
+def _keep_the_other_scale(record: LayerRecord | None) -> None:
+    """A call that carried a layer's ``k_scale`` only (or ``v_scale`` only) changes that
+    one: the other stays in force (a trainer sending buckets may send a layer's two scales
+    in different calls). In a load cycle a lone scale serves k and v (a checkpoint with one
+    scale per layer); a layer whose scales in force came that way keeps that rule."""
+    if record is None or not record.raw:
+        return
+    kinds = ("k_scale", "v_scale")
+    if sum(kind in record.loaded for kind in kinds) != 1:
+        return
+    for kind in kinds:
+        if kind not in record.loaded and kind in record.raw:
+            record.loaded[kind] = record.raw[kind]
+
+
 def end_standalone(cfg: Any, own: list[torch.nn.Module]) -> str | None:
     """Post-process the KV method of every layer of the call (nothing else: weight methods
     are SGLang's, and a call outside a cycle asked for none), which ends the cycle. Returns
     the refusal (None: the scales were taken, or there were none)."""
     from kvscale_plugin.hosts.sglang.method import report_verdict
 
+    for layer in own:
+        _keep_the_other_scale(layer_record(layer))
     live = state(cfg)
     cfg.cycle.caller_reports = True
     live.label = "model.load_weights outside a weight-update session"
