@@ -77,6 +77,22 @@ def layers(cfg: Any) -> list[torch.nn.Module]:
 # -- the served copies ------------------------------------------------------------------
 
 
+def write_scales(layer: torch.nn.Module, record: LayerRecord, resolved: ResolvedScales) -> None:
+    """Update the served tensors in place (backends and CUDA graphs hold them), then the
+    copies: the floats, the record's mirrors, the per-head copies."""
+    k, v = resolved.k, resolved.v
+    with torch.no_grad():
+        layer.k_scale.data.fill_(k)
+        layer.v_scale.data.fill_(v)
+        for k_copy, v_copy in record.mirrors:
+            k_copy.fill_(k)
+            v_copy.fill_(v)
+    layer.k_scale_float = k
+    layer.v_scale_float = v
+    layer.kvscale_k_heads = resolved.k_heads
+    layer.kvscale_v_heads = resolved.v_heads
+
+
 def _f32(values: Iterable[float]) -> list[float]:
     return torch.tensor([float(x) for x in values], dtype=torch.float32).tolist()
 
@@ -140,8 +156,6 @@ def check_served(cfg: Any) -> list[str]:
     """Compare every served copy of every kvscale layer of ``cfg`` with the scales in force,
     rewrite the layers where one disagrees, and say so once for this check. Returns what
     was rewritten (``layer.copy``)."""
-    from kvscale_plugin.hosts.sglang.method import _write_scales
-
     fixed: list[str] = []
     details: list[str] = []
     for layer in layers(cfg):
@@ -150,7 +164,7 @@ def check_served(cfg: Any) -> list[str]:
             continue
         record = layer_record(layer)
         assert record is not None and record.resolved is not None
-        _write_scales(layer, record, record.resolved)
+        write_scales(layer, record, record.resolved)
         for copy, held, expected in wrong:
             fixed.append(f"{record.name}.{copy}")
             details.append(f"{record.name}.{copy} held {_short(held)}, in force {_short(expected)}")
@@ -321,12 +335,10 @@ def _keep_the_other_scale(record: LayerRecord | None) -> None:
             record.loaded[kind] = record.raw[kind]
 
 
-def end_standalone(cfg: Any, own: list[torch.nn.Module]) -> str | None:
+def end_standalone(cfg: Any, own: list[torch.nn.Module]) -> None:
     """Post-process the KV method of every layer of the call (nothing else: weight methods
-    are SGLang's, and a call outside a cycle asked for none), which ends the cycle. Returns
-    the refusal (None: the scales were taken, or there were none)."""
-    from kvscale_plugin.hosts.sglang.method import report_verdict
-
+    are SGLang's, and a call outside a cycle asked for none), which ends the cycle; its
+    verdict is left for the caller to report (``method.report_verdict``)."""
     for layer in own:
         _keep_the_other_scale(layer_record(layer))
     live = state(cfg)
@@ -338,7 +350,6 @@ def end_standalone(cfg: Any, own: list[torch.nn.Module]) -> str | None:
     finally:
         cfg.cycle.caller_reports = False
         live.label = None
-    return report_verdict(cfg)
 
 
 # -- no cached KV read under other scales ------------------------------------------------
@@ -357,11 +368,9 @@ def scale_epoch(cfg: Any) -> tuple[Any, ...]:
 def manager_config(manager: Any) -> tuple[Any, bool] | None:
     """(kvscale config, whether the pool is FP8) of the target model of SGLang's scheduler
     weight-update manager; None when that model is not a kvscale model."""
-    from kvscale_plugin.hosts.sglang.method import KVScaleConfig
-
     runner = getattr(getattr(manager, "tp_worker", None), "model_runner", None)
     cfg = getattr(getattr(runner, "model", None), "quant_config", None)
-    if not isinstance(cfg, KVScaleConfig):
+    if not getattr(cfg, "is_kvscale", False):
         return None
     return cfg, getattr(runner, "kv_cache_dtype", None) in _FP8_DTYPES
 

@@ -59,7 +59,6 @@ from kvscale_plugin.loadcycle import (
     ZERO_POINT_NAMES,
     Action,
     Cycle,
-    LayerRecord,
     layer_record,
     scale_loader,
     serve_target,
@@ -67,7 +66,7 @@ from kvscale_plugin.loadcycle import (
     zero_point_loader,
 )
 from kvscale_plugin.notices import announce_verdict, refused_reload_message, warn_verdict
-from kvscale_plugin.scales import SENTINEL, CorruptScaleError, ResolvedScales
+from kvscale_plugin.scales import SENTINEL, CorruptScaleError
 from kvscale_plugin.scheme import SchemeVerdict
 from kvscale_plugin.sharing import SHARED_SOURCE, SharedLayers
 
@@ -374,19 +373,8 @@ def _announce_per_layer_max() -> None:
     )
 
 
-def _write_scales(layer: torch.nn.Module, record: LayerRecord, resolved: ResolvedScales) -> None:
-    """Update the served tensors in place (backends and CUDA graphs hold them), then copies."""
-    k, v = resolved.k, resolved.v
-    with torch.no_grad():
-        layer.k_scale.data.fill_(k)
-        layer.v_scale.data.fill_(v)
-        for k_copy, v_copy in record.mirrors:
-            k_copy.fill_(k)
-            v_copy.fill_(v)
-    layer.k_scale_float = k
-    layer.v_scale_float = v
-    layer.kvscale_k_heads = resolved.k_heads
-    layer.kvscale_v_heads = resolved.v_heads
+#: Update the served tensors in place, then every copy (``live.write_scales``).
+_write_scales = live.write_scales
 
 
 def _requested_kv_cache_dtype() -> str | None:
