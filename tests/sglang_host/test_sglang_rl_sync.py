@@ -130,6 +130,22 @@ def test_a_corrupt_scale_outside_a_session_refuses_the_call_s_scales(ckpt):
     assert_scales(layer_scales(model), SCALES_B)
 
 
+def test_a_call_outside_a_session_that_fails_takes_no_scale_and_ends_its_cycle(ckpt):
+    model, config = build_model(ckpt)
+    updater = weight_updater(model, config)
+    bad = [
+        ("model.layers.0.self_attn.k_scale", torch.tensor(6.5)),
+        ("model.embed_tokens.weight", torch.zeros(3)),  # a wrong shape: SGLang's loader raises
+    ]
+    with pytest.raises(Exception) as raised:
+        updater.update_weights_from_tensor(bad)
+    assert not isinstance(raised.value, CorruptScaleError), raised.value
+    assert_scales(layer_scales(model), SCALES)
+    assert not model.quant_config.cycle.pending  # the next call is a cycle of its own again
+    updater.update_weights_from_tensor([("model.layers.1.self_attn.k_scale", torch.tensor(0.5))])
+    assert_scales(layer_scales(model), {0: SCALES[0], 1: (0.5, SCALES[1][1])})
+
+
 def test_weights_only_outside_a_session_keep_the_scales(ckpt, tiny):
     model, config = build_model(ckpt)
     weights = model_weights_only(tiny("sgl-rl-b", family="llama", scales=SCALES_B, seed=1))

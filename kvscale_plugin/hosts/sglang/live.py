@@ -335,12 +335,17 @@ def _keep_the_other_scale(record: LayerRecord | None) -> None:
             record.loaded[kind] = record.raw[kind]
 
 
-def end_standalone(cfg: Any, own: list[torch.nn.Module]) -> None:
+def end_standalone(cfg: Any, own: list[torch.nn.Module], *, failed: bool = False) -> None:
     """Post-process the KV method of every layer of the call (nothing else: weight methods
     are SGLang's, and a call outside a cycle asked for none), which ends the cycle; its
-    verdict is left for the caller to report (``method.report_verdict``)."""
+    verdict is left for the caller to report (``method.report_verdict``). ``failed``: the
+    model's loader raised; what the call's scale loaders recorded is dropped (every layer
+    keeps its scales) and the cycle still ends."""
     for layer in own:
-        _keep_the_other_scale(layer_record(layer))
+        record = layer_record(layer)
+        if failed and record is not None:
+            record.loaded.clear()
+        _keep_the_other_scale(record)
     live = state(cfg)
     cfg.cycle.caller_reports = True
     live.label = "model.load_weights outside a weight-update session"

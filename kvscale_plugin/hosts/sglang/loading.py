@@ -200,6 +200,8 @@ def _install_name_mapping(
         )
         cfg.cycle.weight_loads += 1
         token = _ACTIVE_CONFIG.set(cfg)
+        done = False
+        refused = None
         try:
             unmapped: set[str] = set()
             result = original(
@@ -209,15 +211,17 @@ def _install_name_mapping(
                 *args,
                 **kwargs,
             )
+            done = True
             if unmapped:
                 warn_unmapped_scales(unmapped)
         finally:
             _ACTIVE_CONFIG.reset(token)
-        if own is not None:
-            live.end_standalone(cfg, own)
-            refused = report_verdict(cfg)
-            if refused:
-                raise CorruptScaleError(refused)
+            if own is not None:
+                # The call's own cycle always ends; a call that failed takes no scale.
+                live.end_standalone(cfg, own, failed=not done)
+                refused = report_verdict(cfg)
+        if refused:
+            raise CorruptScaleError(refused)
         return result
 
     load_weights._kvscale_wrapped = True  # type: ignore[attr-defined]
