@@ -22,6 +22,18 @@ EXPECTED_TARGETS = {
     "sglang.srt.models.glm4_moe.Glm4MoeAttention.__init__",
     "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
     ".update_weights_from_disk",
+    *(
+        "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
+        + method
+        for method in (
+            "update_weights_from_disk",
+            "update_weights_from_tensor",
+            "update_weights_from_distributed",
+            "update_weights_from_ipc",
+            "end_weight_update",
+        )
+    ),
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
 }
 
 QWEN3_ATTACH = (

@@ -1,5 +1,5 @@
 """SGLang releases beside the one the suite runs on (0.5.23): every internal the adapter
-touches -- the seven ``HookRegistry`` patch targets with the parameters their hooks read, and
+touches -- the thirteen ``HookRegistry`` patch targets with the parameters their hooks read, and
 the registries and helpers ``method`` imports -- resolves in 0.5.21's and 0.5.22's sources
 (fetched with ``pip download --no-deps`` into build/host-sources, read without importing).
 """

@@ -47,7 +47,7 @@ from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import logger, warn_once
 from kvscale_plugin.heads import HeadLayout
 from kvscale_plugin.hosts._common import claims_checkpoint, no_checkpoint_config_error
-from kvscale_plugin.hosts.sglang import state
+from kvscale_plugin.hosts.sglang import live, state
 from kvscale_plugin.hosts.sglang.backends import (
     BackendAction,
     BackendVerdict,
@@ -59,7 +59,6 @@ from kvscale_plugin.loadcycle import (
     ZERO_POINT_NAMES,
     Action,
     Cycle,
-    LayerRecord,
     layer_record,
     scale_loader,
     serve_target,
@@ -67,7 +66,7 @@ from kvscale_plugin.loadcycle import (
     zero_point_loader,
 )
 from kvscale_plugin.notices import announce_verdict, refused_reload_message, warn_verdict
-from kvscale_plugin.scales import SENTINEL, CorruptScaleError, ResolvedScales
+from kvscale_plugin.scales import SENTINEL, CorruptScaleError
 from kvscale_plugin.scheme import SchemeVerdict
 from kvscale_plugin.sharing import SHARED_SOURCE, SharedLayers
 
@@ -282,6 +281,11 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
         if record is None:
             return
         cfg = self.quant_config
+        if record.name not in cfg.cycle.pending and record.resolved is not None:
+            # Post-processing outside a load cycle (checkpoint-engine's post hook after
+            # update_weights_from_ipc): the model.load_weights calls before it were cycles
+            # of their own (live.standalone), which served and checked their scales.
+            return
         loaded = dict(record.loaded)
 
         # The one policy (loadcycle.py); SGLang builds no KV method without a scheme.
@@ -331,13 +335,16 @@ class KVScaleKVCacheMethod(BaseKVCacheMethod):
 def _end_cycle(cfg: KVScaleConfig) -> None:
     """Every layer of the cycle processed: sharing layers re-synced with their targets and
     what they shipped said once; the cycle's verdict reported (by the caller, where it
-    answers the reload itself: ``patches._hook_update_weights_from_disk``)."""
+    answers the reload itself: ``patches._hook_update_weights_from_disk``). Then the
+    served copies are checked, the update counted and the fingerprint logged
+    (``live.after_cycle``)."""
     for record, resolved in cfg.cycle.sharing_records():
         layer = cfg._layers.get(record.name)
         if layer is not None:
             _write_scales(layer, record, resolved)
     for i, message in enumerate(cfg.shared.warnings()):
         warn_once(f"sglang-shared-kv-{i}", "%s", message)
+    live.after_cycle(cfg, took_scales=cfg.cycle.verdict.took_scales)
     if not cfg.cycle.caller_reports:
         refused = report_verdict(cfg)
         if refused:
@@ -366,19 +373,8 @@ def _announce_per_layer_max() -> None:
     )
 
 
-def _write_scales(layer: torch.nn.Module, record: LayerRecord, resolved: ResolvedScales) -> None:
-    """Update the served tensors in place (backends and CUDA graphs hold them), then copies."""
-    k, v = resolved.k, resolved.v
-    with torch.no_grad():
-        layer.k_scale.data.fill_(k)
-        layer.v_scale.data.fill_(v)
-        for k_copy, v_copy in record.mirrors:
-            k_copy.fill_(k)
-            v_copy.fill_(v)
-    layer.k_scale_float = k
-    layer.v_scale_float = v
-    layer.kvscale_k_heads = resolved.k_heads
-    layer.kvscale_v_heads = resolved.v_heads
+#: Update the served tensors in place, then every copy (``live.write_scales``).
+_write_scales = live.write_scales
 
 
 def _requested_kv_cache_dtype() -> str | None:

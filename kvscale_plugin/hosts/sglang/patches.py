@@ -8,7 +8,7 @@ SGLang moves code. ``PATCHES`` lists every patch: its target, its kind (``AFTER`
 
 1. ``sglang.srt.model_loader.loader._initialize_model``: checkpoint KV-scale names
    mapped onto a kvscale model's placeholders in every load path, and a draft's MTP-layer
-   scales loaded into its attention layers (``_install_name_mapping``);
+   scales loaded into its attention layers (``loading._install_name_mapping``);
 2. ``sglang.srt.model_loader.weight_utils.maybe_remap_kv_scale_name``: mapped names pass
    SGLang's remapping (``_hook_remap_kv_scale_name``);
 3. ``sglang.srt.model_loader.utils.get_model_architecture``: Mixtral keeps its class
@@ -19,7 +19,24 @@ SGLang moves code. ``PATCHES`` lists every patch: its target, its kind (``AFTER`
    gets the KV method SGLang does not give it (``ATTENTION_WITHOUT_QUANT_CONFIG``);
 7. ``sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.
    update_weights_from_disk``: a reload kvscale refused is answered as failed
-   (``_hook_update_weights_from_disk``).
+   (``_hook_update_weights_from_disk``);
+8. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_disk``,
+9. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_tensor``,
+10. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_distributed``,
+11. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.update_weights_from_ipc`` and
+12. ``sglang.srt.managers.scheduler_components.weight_updater.
+   SchedulerWeightUpdaterManager.end_weight_update``:
+   on an FP8 pool the radix cache is flushed when a sync changed the scales and SGLang did
+   not flush it (``_hook_scheduler_sync``, ``live.after_sync``);
+13. ``sglang.srt.managers.scheduler.Scheduler.get_internal_state``: the scale
+   fingerprint returned by ``Engine.get_server_info()`` (``_hook_internal_state``).
+
+Not a patch: a model's ``load_weights`` wrapper (patch 1, ``loading``) makes a call
+outside SGLang's load cycles a cycle of its own, so its scales are served.
 
 A moved target fails loudly. SGLang's ``HookRegistry.apply_hooks`` only logs a target
 it cannot resolve and carries on, which would serve with stock behaviour (dropped or
@@ -35,12 +52,10 @@ half-working.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import pkgutil
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,200 +64,17 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_plugin_source
 
 from kvscale_plugin import QUANTIZATION_METHOD
-from kvscale_plugin._log import logger
+from kvscale_plugin._log import warn_once
 from kvscale_plugin.hosts._common import parameter_names, resolve_attribute
+from kvscale_plugin.hosts.sglang import live
+from kvscale_plugin.hosts.sglang.loading import _ACTIVE_CONFIG, _install_name_mapping
 from kvscale_plugin.hosts.sglang.method import HOST, PLACEHOLDER_ATTR, KVScaleConfig, report_verdict
 from kvscale_plugin.loadcycle import layer_record
-from kvscale_plugin.names import (
-    declared_mtp_layers,
-    land_scale_name,
-    map_scale_name,
-    mtp_layer_ordinal,
-    names_attention_layer,
-    scale_kind,
-)
-from kvscale_plugin.notices import warn_unmapped_scales
+from kvscale_plugin.names import declared_mtp_layers, map_scale_name
 from kvscale_plugin.releases import SGLANG_RUN
 
 #: The SGLang release these patches were written against (and tested with).
 WRITTEN_AGAINST = "0.5.23"
-
-# The kvscale config of the model whose load_weights is running (gives the name
-# hooks the checkpoint's model_type; None outside a kvscale model's load).
-_ACTIVE_CONFIG: contextvars.ContextVar[KVScaleConfig | None] = contextvars.ContextVar(
-    "kvscale_active_config", default=None
-)
-
-
-@dataclass(frozen=True)
-class MtpLayers:
-    """How a model relates to the checkpoint's multi-token-prediction (MTP) layers.
-
-    ``num_hidden_layers`` is the main stack's depth (``layers.N`` with N at or beyond it
-    is an MTP layer, as GLM-4-MoE / DeepSeek-V3 name them). ``draft_layers`` are the
-    attention layers of a speculative-decoding draft model (SGLang's ``MiMoMTP``,
-    ``Glm4MoeForCausalLMNextN``, ``Qwen3NextForCausalLMMTP``, ``Qwen3_5ForCausalLMMTP``,
-    ...) in build order, MTP layer ``i`` served by ``draft_layers[i]``; None for the
-    target model, which builds no MTP layer.
-    """
-
-    num_hidden_layers: int | None
-    draft_layers: tuple[torch.nn.Module, ...] | None = None
-    # How many MTP layers the checkpoint's config declares (0: none, so a ``layers.N``
-    # beyond the stack is a stray name, reported as such in the target model).
-    declared: int = 0
-
-
-def _load_draft_scale(
-    name: str, tensor: torch.Tensor, mapped: str, ordinal: int, mtp: MtpLayers
-) -> bool:
-    """Load MTP layer ``ordinal``'s KV-scale tensor ``name`` straight into the draft's
-    attention layer; False when the draft's layer is not kvscale's (left to SGLang).
-
-    Straight into the placeholder, because SGLang 0.5.23's draft loaders translate
-    checkpoint names each their own way and lose or trip over scale names: MiMoMTP
-    raises ``KeyError: 'model.mtp_block.self_attn.k_scale'``, Qwen3NextForCausalLMMTP
-    asserts ``Expected 1.0, got ... in skipped model.layers.0.k_scale``, GLM-4-MoE's NextN
-    draft drops them.
-    """
-    layers = mtp.draft_layers or ()
-    if ordinal >= len(layers):
-        # SGLang's drafts build one MTP layer (num_nextn_predict_layers is forced to 1)
-        # and reuse it for every draft step: later MTP layers are not served.
-        logger.debug("kvscale: %s is MTP layer %d's; the draft does not build it", name, ordinal)
-        return True
-    layer = layers[ordinal]
-    kind = mapped.rsplit(".", 1)[-1]
-    param = getattr(layer, kind, None)
-    if not getattr(param, PLACEHOLDER_ATTR, False):
-        if not getattr(getattr(layer, "k_scale", None), PLACEHOLDER_ATTR, False):
-            return False  # a draft layer kvscale does not serve: SGLang's loader decides
-        # A scale SGLang keeps no parameter for (q_scale: SGLang quantizes no query with
-        # a checkpoint scale). The main stack's loaders skip it; a draft's would raise
-        # (MiMoMTP: KeyError 'model.mtp_block.self_attn.q_scale').
-        logger.debug("kvscale: %s has no SGLang parameter; not loaded", name)
-        return True
-    layer_record(layer).checkpoint_names[kind] = name  # type: ignore[union-attr]
-    param.weight_loader(param, tensor)
-    return True
-
-
-def _map_weight_names(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    targets: set[str],
-    model_type: str | None,
-    unmapped: set[str] | None = None,
-    mtp: MtpLayers | None = None,
-    on_disk: dict[str, str] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename checkpoint KV-scale tensors to this model's placeholders, lazily (a draft
-    model's MTP-layer scales are loaded into its attention layers instead)."""
-    if not targets:  # no KV scheme: nothing to map onto, names stay as they are
-        yield from weights
-        return
-    for name, tensor in weights:
-        # Every name is asked (third-party rules may map names without "scale" in them),
-        # but only a placeholder this model owns is mapped onto: other names (e.g.
-        # another PP rank's layers) stay as they are, for the model's loader to decide.
-        mapped = map_scale_name(name, HOST, model_type)
-        if mapped is not None and mtp is not None:
-            ordinal = mtp_layer_ordinal(name, mtp.num_hidden_layers)
-            if ordinal is not None and mtp.draft_layers is not None:
-                # A draft loads an MTP layer's scales itself.
-                if not _load_draft_scale(name, tensor, mapped, ordinal, mtp):
-                    yield name, tensor
-                continue
-            if ordinal is not None and ordinal < mtp.declared:
-                yield name, tensor  # the draft model's, not a layer this model lacks
-                continue
-        landing = (
-            land_scale_name(name, mapped, _as_named, _placeholder_layers(targets))
-            if name not in targets and (mapped is not None or scale_kind(name) is not None)
-            else None
-        )
-        if landing is not None and landing.target in targets:
-            # The hook's answer, or the one attention layer under the module the name
-            # designates (SGLang's models translate scale names in their loaders, each its
-            # own way: a placeholder's own path is one every loader takes as it is).
-            if on_disk is not None:
-                on_disk[landing.target] = name  # errors name the checkpoint's tensor
-            name = landing.target
-        elif (
-            mapped is not None
-            and unmapped is not None
-            # A draft built from the target's checkpoint sees the target's scales too.
-            and (mtp is None or mtp.draft_layers is None)
-            and mapped not in targets
-            and not names_attention_layer(mapped, _placeholder_layers(targets))
-        ):
-            unmapped.add(name)  # SGLang's loader skips it: say so, once, after the load
-        yield name, tensor
-
-
-def _as_named(name: str) -> str:
-    return name
-
-
-def _placeholder_layers(targets: set[str]) -> set[str]:
-    return {t.rsplit(".", 1)[0] for t in targets}
-
-
-def _install_name_mapping(
-    model: torch.nn.Module,
-    cfg: KVScaleConfig,
-    num_hidden_layers: int | None = None,
-    draft: bool = False,
-    declared_mtp: int = 0,
-) -> None:
-    """Wrap this model instance's ``load_weights``: every load path (startup,
-    update_weights_from_disk / _tensor / _distributed) goes through it. SGLang's loaders
-    know only their own KV-scale names, so scales named otherwise (other checkpoint
-    layouts, third-party name-mapping rules) would be skipped: they are mapped onto the
-    placeholders first (``_map_weight_names``), and names that fit no layer are reported
-    once. ``draft``: the model is a speculative-decoding draft built from the checkpoint's
-    MTP layers (``_load_draft_scale``)."""
-    original = model.load_weights
-    if getattr(original, "_kvscale_wrapped", False):
-        return
-    model_ref = weakref.ref(model)
-
-    @functools.wraps(original)
-    def load_weights(weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any):
-        owner = model_ref()
-        targets = (
-            {n for n, p in owner.named_parameters() if getattr(p, PLACEHOLDER_ATTR, False)}
-            if owner is not None
-            else set()
-        )
-        draft_layers = (
-            tuple(
-                m
-                for m in owner.modules()
-                if isinstance(m, RadixAttention) and layer_record(m) is not None
-            )
-            if draft and owner is not None
-            else None
-        )
-        mtp = MtpLayers(num_hidden_layers, draft_layers, declared_mtp)
-        cfg.cycle.weight_loads += 1
-        token = _ACTIVE_CONFIG.set(cfg)
-        try:
-            unmapped: set[str] = set()
-            result = original(
-                _map_weight_names(
-                    weights, targets, cfg.model_type, unmapped, mtp, cfg.checkpoint_names
-                ),
-                *args,
-                **kwargs,
-            )
-            if unmapped:
-                warn_unmapped_scales(unmapped)
-            return result
-        finally:
-            _ACTIVE_CONFIG.reset(token)
-
-    load_weights._kvscale_wrapped = True  # type: ignore[attr-defined]
-    model.load_weights = load_weights
 
 
 def _hook_initialize_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -310,15 +142,59 @@ def _hook_update_weights_from_disk(
     if not isinstance(cfg, KVScaleConfig):
         return original(updater, *args, **kwargs)
     cfg.cycle.caller_reports = True
+    live.state(cfg).label = "update_weights_from_disk"
     try:
         result = original(updater, *args, **kwargs)
     finally:
         cfg.cycle.caller_reports = False
+        live.state(cfg).label = None
     refused = report_verdict(cfg)
     if refused and isinstance(result, tuple) and result and result[0]:
         return False, refused
     return result
 
+
+def _hook_scheduler_sync(
+    original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``SchedulerWeightUpdaterManager``'s sync entry points: on an FP8 pool, a
+    sync that changed the scales in force flushes the radix cache when SGLang did not
+    (``flush_cache=False``; ``end_weight_update``, where a session's scales are served,
+    flushes nothing), so no KV is read under other scales than it was written with."""
+    found = live.manager_config(manager)
+    if found is None or not found[1]:
+        return original(manager, *args, **kwargs)
+    cfg = found[0]
+    before = live.scale_epoch(cfg)
+    output = original(manager, *args, **kwargs)
+    recv_req = args[0] if args else kwargs.get("recv_req")
+    return live.after_sync(manager, recv_req, before, cfg, output)
+
+
+def _hook_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER ``Scheduler.get_internal_state``: the answer (``Engine.get_server_info()``'s
+    ``internal_states``) carries kvscale's fingerprint and update counter under
+    ``"kvscale"`` (SGLang 0.5.23's ``collective_rpc`` returns no value; this is the one
+    request that returns a scheduler's state as a dict)."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    cfg = getattr(getattr(runner, "model", None), "quant_config", None)
+    state_dict = getattr(result, "internal_state", None)
+    if isinstance(cfg, KVScaleConfig) and isinstance(state_dict, dict):
+        try:
+            state_dict["kvscale"] = live.server_info(cfg)
+        except Exception as exc:  # noqa: BLE001 - never break the request
+            state_dict["kvscale"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return result
+
+
+#: The scheduler's weight-sync entry points (``SchedulerWeightUpdaterManager``).
+SCHEDULER_SYNCS = (
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "update_weights_from_ipc",
+    "end_weight_update",
+)
 
 # Attention modules of SGLang 0.5.23 that build RadixAttention without quant_config,
 # so compressed-tensors KV scales are silently dropped for them.
@@ -446,6 +322,30 @@ PATCHES: tuple[Patch, ...] = (
         params=("model_path", "load_format"),
         leading=True,
     ),
+    *(
+        Patch(
+            "sglang.srt.managers.scheduler_components.weight_updater",
+            f"SchedulerWeightUpdaterManager.{method}",
+            _hook_scheduler_sync,
+            HookType.AROUND,
+            f"flushes the radix cache after {method} when it changed the KV scales an FP8 "
+            "cache is written with and SGLang did not flush it (without it, KV cached under "
+            "the old scales is read under the new ones)",
+            params=("recv_req",),
+            leading=True,
+        )
+        for method in SCHEDULER_SYNCS
+    ),
+    Patch(
+        "sglang.srt.managers.scheduler",
+        "Scheduler.get_internal_state",
+        _hook_internal_state,
+        HookType.AFTER,
+        "returns kvscale's scale fingerprint and update counter in get_server_info's "
+        "internal_states (without it, they are only logged)",
+        params=("recv_req",),
+        leading=True,
+    ),
 )
 
 
@@ -518,13 +418,33 @@ def check_targets(patches: Iterable[Patch] | None = None) -> None:
 
 
 def register_hooks() -> None:
-    """Check every target (``check_targets``), then register each patch exactly once."""
+    """Check every target (``check_targets``), then register each patch exactly once.
+
+    SGLang 0.5.23's ``HookRegistry.apply_hooks`` skips a target it patched before: a hook
+    registered on a target another plugin's hooks were applied to (``load_plugins`` applies
+    them before kvscale's go in, when a model claims kvscale) would never run, without a
+    word. Those are applied here, on top of what is there."""
     check_targets()
+    late = []
     for patch in PATCHES:
         if any(h is patch.hook for _, h, _ in HookRegistry._hooks.get(patch.target, ())):
             continue
+        if patch.target in HookRegistry._patched:
+            late.append(patch)
         HookRegistry.register(patch.target, patch.hook, patch.kind)
     if _current_plugin_source.get() is None:
         # Called outside load_plugins() (which applies hooks itself once every plugin
         # ran): apply now so that a direct register() call takes effect.
         HookRegistry.apply_hooks()
+    for patch in late:
+        apply_target = getattr(HookRegistry, "_apply_target", None)
+        if apply_target is None:
+            warn_once(
+                f"sglang-late-hook-{patch.target}",
+                "kvscale: another SGLang plugin patched %s first, and this SGLang cannot "
+                "add kvscale's hook there: it %s is not in effect.",
+                patch.target,
+                patch.does.split(" (without it", 1)[0],
+            )
+            continue
+        apply_target(patch.target, [(patch.kind, patch.hook, None)])

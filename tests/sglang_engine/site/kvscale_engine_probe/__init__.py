@@ -12,6 +12,9 @@ on the model runner's ``WeightUpdater`` append the same layer report to ``update
 each ``update_weights_from_disk`` and each ``end_weight_update`` (a session's end). Each
 write replaces the file whole, so a reader never sees half of one; the first part
 survives a start-up that fails after the model loaded (e.g. SGLang refusing the pool).
+After the model loads it also gives SGLang's ``Scheduler`` two methods for
+``Engine.collective_rpc``: ``kvscale_probe_zero_scales`` and ``kvscale_probe_set_copy``
+(what a memory release or a one-copy refit does to the served scales).
 """
 
 from __future__ import annotations
@@ -89,8 +92,35 @@ def _layers(model: Any) -> dict[str, Any]:
     return layers
 
 
+def kvscale_probe_zero_scales(scheduler: Any) -> None:
+    """For ``collective_rpc``: zero every attention layer's served ``k_scale`` /
+    ``v_scale`` tensors, as releasing and resuming their memory would (test only)."""
+    import torch
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    with torch.no_grad():
+        for layer in scheduler.tp_worker.model_runner.model.modules():
+            if isinstance(layer, RadixAttention) and getattr(layer, "k_scale", None) is not None:
+                layer.k_scale.zero_()
+                layer.v_scale.zero_()
+
+
+def kvscale_probe_set_copy(scheduler: Any, layer_id: int, copy: str, value: float) -> None:
+    """For ``collective_rpc``: set one copy of one layer's scales behind kvscale's back."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    for layer in scheduler.tp_worker.model_runner.model.modules():
+        if isinstance(layer, RadixAttention) and layer.layer_id == layer_id:
+            setattr(layer, copy, value)
+
+
 def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.layers import quantization
+    from sglang.srt.managers.scheduler import Scheduler
+
+    # Scheduler methods collective_rpc can call (it looks them up by name).
+    Scheduler.kvscale_probe_zero_scales = kvscale_probe_zero_scales
+    Scheduler.kvscale_probe_set_copy = kvscale_probe_set_copy
 
     quant_config = getattr(runner.model, "quant_config", None)
     _write(
