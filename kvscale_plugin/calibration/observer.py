@@ -75,11 +75,12 @@ def _real_positions(mask: Any, key: torch.Tensor) -> torch.Tensor | None:
 
 def _masked_amax(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Per KV head abs max of ``x`` ``[batch, kv_heads, seq, head_dim]`` at ``valid``."""
-    a = x.detach().abs()
+    lo, hi = torch.aminmax(x.detach(), dim=-1)  # one pass over x, no |x| copy
+    a = torch.maximum(hi, -lo)  # [batch, kv_heads, seq]: abs max per position (NaN kept)
     if valid is not None:
         # masked_fill, not indexing: no device sync; NaN at padding is dropped too.
-        a = a.masked_fill(~valid[:, None, :, None], 0)
-    return a.amax(dim=(0, 2, 3)).float()
+        a = a.masked_fill(~valid[:, None, :], 0)
+    return a.amax(dim=(0, 2)).float()
 
 
 class KVRecorder:
