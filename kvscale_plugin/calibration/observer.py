@@ -151,13 +151,13 @@ class KVRecorder:
                 "no attention layer reported its keys/values: run the model's forward "
                 "inside the recording context; if it did run, this model's attention does "
                 "not call transformers' attention interface (custom or remote-code "
-                f"attention), so kvscale cannot {purpose} it"
+                f"attention) and kvscale cannot {purpose}"
             )
         empty = [n for n, t in self.tokens.items() if int(t) == 0]
         if empty:
             raise CalibrationError(
                 f"every position was padding (attention_mask all 0) in {', '.join(empty)}: "
-                f"no keys/values to {purpose} from"
+                f"no real token recorded; cannot {purpose}"
             )
         bad = [
             n

@@ -50,7 +50,7 @@ class KVScaleRecorder(KVRecorder):
         check_scheme(scheme, CalibrationError)
         if self.group is not None:
             self._reduce()
-        self.check_recorded("record scales for")
+        self.check_recorded("compute scales")
         names = sorted_modules(self.k)
         shared = set(reads_other_cache(self._config, names))
         return {
