@@ -75,8 +75,9 @@ def _real_positions(mask: Any, key: torch.Tensor) -> torch.Tensor | None:
 
 def _masked_amax(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Per KV head abs max of ``x`` ``[batch, kv_heads, seq, head_dim]`` at ``valid``."""
-    lo, hi = torch.aminmax(x.detach(), dim=-1)  # one pass over x, no |x| copy
-    a = torch.maximum(hi, -lo)  # [batch, kv_heads, seq]: abs max per position (NaN kept)
+    # [batch, kv_heads, seq]: abs max per position, NaN kept (on CPU several times faster
+    # than torch.aminmax, which reads x once but does not vectorize this reduction).
+    a = x.detach().abs().amax(dim=-1)
     if valid is not None:
         # masked_fill, not indexing: no device sync; NaN at padding is dropped too.
         a = a.masked_fill(~valid[:, None, :], 0)
