@@ -187,3 +187,37 @@ def test_fsdp2_ranks_reduce_to_one_process_over_both_batches(trainer, ckpt, tmp_
     # The reduction mattered: rank 0's batch alone gives other scales.
     alone = first.scales("attn_head")
     assert not all(torch.equal(alone[n], t) for n, t in ranks[0]["attn_head"].items())
+
+
+def test_eager_attention_padded_batch_equals_its_texts_one_by_one(ckpt):
+    """eager hands attention an additive float mask (sdpa a bool one): padding is left out
+    there too (the pad token is loud, so counting it would show)."""
+    model, tok = load_trainer_model(ckpt, "eager")
+    pad_id = pad_id_for(tok, TEXTS, MAX_LEN)
+    loud_pad(model, pad_id)
+    with cal.record_kv_scales(model) as batched, torch.no_grad():
+        out = model(**padded_batch(tok, TEXTS, "left", pad_id, MAX_LEN), use_cache=False)
+    assert out.logits.isfinite().all()
+    with cal.record_kv_scales(model) as single, torch.no_grad():
+        for text in TEXTS:
+            model(**padded_batch(tok, [text], "left", pad_id, MAX_LEN), use_cache=False)
+    for scheme in cal.SCHEMES:
+        got, want = batched.scales(scheme), single.scales(scheme)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[n], want[n]) for n in want), scheme
+
+
+def test_wrapper_components_are_left_out_of_the_names():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from kvscale_plugin.calibration.observer import module_names
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].self_attn = torch.nn.Linear(2, 2)
+    attn = model.model.layers[0].self_attn
+    model.model.layers[0] = checkpoint_wrapper(model.model.layers[0])
+    wrapped = {m: n for n, m in model.named_modules()}[attn]
+    assert wrapped == "model.layers.0._checkpoint_wrapped_module.self_attn"
+    assert module_names(model)[id(attn)] == "model.layers.0.self_attn"
