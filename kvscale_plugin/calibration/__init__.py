@@ -19,10 +19,13 @@ The model directory is never modified.
 Modules, in the order a run uses them:
 
 * ``corpus`` -- calibration text: the built-in corpus, ``--samples FILE``;
-* ``observer`` -- the transformers run that records K/V abs maxima (``load_model``, ``observe``);
+* ``observer`` -- the transformers run that records K/V abs maxima (``KVRecorder``, the one
+  recording code path; ``load_model``, ``observe``);
 * ``maths`` -- scales from maxima (``scale_from_amax``, ``scales_from_observed``);
 * ``write`` -- OUT_DIR (``write_checkpoint``, ``read_scales``, the config it writes);
 * ``pipeline`` -- all of it in one call (``calibrate``);
+* ``trainer`` -- the same recording around a trainer's own forward pass, max-reduced over
+  data-parallel ranks, returning the scale tensors to send (``record_kv_scales``);
 * ``check`` -- ``--check``: how a checkpoint's own k/v scales fit the text (``check.check``,
   ``check.to_json``; not re-exported here: the module is named like its function);
 * ``cli`` -- the command's arguments, run and summary;
@@ -52,15 +55,22 @@ if TYPE_CHECKING:
         builtin_corpus,
         read_samples,
     )
-    from kvscale_plugin.calibration.maths import SCALE_FLOOR, scale_from_amax, scales_from_observed
+    from kvscale_plugin.calibration.maths import (
+        SCALE_FLOOR,
+        reads_other_cache,
+        scale_from_amax,
+        scales_from_observed,
+    )
     from kvscale_plugin.calibration.observer import (
         ATTN_IMPLEMENTATION,
+        KVRecorder,
         Observed,
         load_model,
         observe,
         weights_dtype,
     )
     from kvscale_plugin.calibration.pipeline import CalibrationResult, calibrate
+    from kvscale_plugin.calibration.trainer import KVScaleRecorder, record_kv_scales
     from kvscale_plugin.calibration.write import (
         kv_cache_scheme,
         quantization_config_with_kv,
@@ -76,11 +86,15 @@ _EXPORTS = {
         "common",
     ),
     **dict.fromkeys(("CORPUS_FILE", "DATA_DIR", "builtin_corpus", "read_samples"), "corpus"),
-    **dict.fromkeys(("SCALE_FLOOR", "scale_from_amax", "scales_from_observed"), "maths"),
     **dict.fromkeys(
-        ("ATTN_IMPLEMENTATION", "Observed", "load_model", "observe", "weights_dtype"), "observer"
+        ("SCALE_FLOOR", "reads_other_cache", "scale_from_amax", "scales_from_observed"), "maths"
+    ),
+    **dict.fromkeys(
+        ("ATTN_IMPLEMENTATION", "KVRecorder", "Observed", "load_model", "observe", "weights_dtype"),
+        "observer",
     ),
     **dict.fromkeys(("CalibrationResult", "calibrate"), "pipeline"),
+    **dict.fromkeys(("KVScaleRecorder", "record_kv_scales"), "trainer"),
     **dict.fromkeys(
         ("kv_cache_scheme", "quantization_config_with_kv", "read_scales", "write_checkpoint"),
         "write",
@@ -98,6 +112,8 @@ __all__ = [
     "SCHEMES",
     "CalibrationError",
     "CalibrationResult",
+    "KVRecorder",
+    "KVScaleRecorder",
     "Observed",
     "add_arguments",
     "builtin_corpus",
@@ -108,6 +124,8 @@ __all__ = [
     "quantization_config_with_kv",
     "read_samples",
     "read_scales",
+    "reads_other_cache",
+    "record_kv_scales",
     "render_summary",
     "run",
     "scale_from_amax",

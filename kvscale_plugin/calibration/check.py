@@ -31,7 +31,7 @@ import torch
 
 from kvscale_plugin.calibration.common import CalibrationError, sorted_modules
 from kvscale_plugin.calibration.corpus import pick_texts
-from kvscale_plugin.calibration.observer import _Observer, load_model, observe
+from kvscale_plugin.calibration.observer import KVRecorder, load_model, module_names, observe
 from kvscale_plugin.fp8 import FP8_E4M3_MAX
 
 #: An element saturates when ``|x.float() / scale|`` exceeds this: 448, plus one float32
@@ -118,22 +118,29 @@ def declared_scales(model_dir: str | os.PathLike[str]) -> DeclaredScales:
     )
 
 
-class _CheckingObserver(_Observer):
-    """The calibration observer, counting per KV head the elements that saturate."""
+class _CheckingObserver(KVRecorder):
+    """The calibration recorder, counting per KV head the elements that saturate."""
 
-    def __init__(self, module_names: Mapping[int, str], scales: Mapping[str, LayerScales]) -> None:
-        super().__init__(module_names)
+    def __init__(self, model: torch.nn.Module, scales: Mapping[str, LayerScales]) -> None:
+        super().__init__(model)
         self.scales = scales
         self.k_sat: dict[str, torch.Tensor] = {}
         self.v_sat: dict[str, torch.Tensor] = {}
         self.count: dict[str, int] = {}  # elements per KV head, per layer
 
-    def record(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
-        super().record(module, key, value)
+    def record(
+        self,
+        module: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        valid: torch.Tensor | None,
+    ) -> None:
+        super().record(module, key, value, valid)
         name = self.module_names[id(module)]
         s = self.scales.get(name)
         if s is None:
             return  # reported as a layer without scales
+        keep = None if valid is None else valid[:, None, :, None]
         for kind, x, scale, into in (("k", key, s.k, self.k_sat), ("v", value, s.v, self.v_sat)):
             heads = x.shape[1]
             if len(scale) not in (1, heads):
@@ -143,10 +150,11 @@ class _CheckingObserver(_Observer):
                 )
             t = torch.tensor(scale, dtype=torch.float32, device=x.device).reshape(1, -1, 1, 1)
             # What a cache write clamps: (x.float() / scale) outside [-448, 448].
-            sat = ((x.detach().float() / t).abs() > SATURATION_THRESHOLD).sum(dim=(0, 2, 3))
-            sat = sat.cpu()
+            over = (x.detach().float() / t).abs() > SATURATION_THRESHOLD
+            sat = (over if keep is None else over & keep).sum(dim=(0, 2, 3)).cpu()
             into[name] = sat if name not in into else into[name] + sat
-        self.count[name] = self.count.get(name, 0) + key.shape[0] * key.shape[2] * key.shape[3]
+        positions = key.shape[0] * key.shape[2] if valid is None else int(valid.sum())
+        self.count[name] = self.count.get(name, 0) + positions * key.shape[3]
 
 
 @dataclass
@@ -274,9 +282,8 @@ def check(
     if log:
         log(f"loaded {src} on {device} in {model_dtype}")
         log(f"{len(texts)} samples from {samples_source}, up to {max_len} tokens each")
-    names = {id(m): n for n, m in model.named_modules()}
-    observed = _match_layers(declared.layers, set(names.values()))
-    observer = _CheckingObserver(names, observed)
+    observed = _match_layers(declared.layers, set(module_names(model).values()))
+    observer = _CheckingObserver(model, observed)
     obs = observe(
         model,
         tokenizer,

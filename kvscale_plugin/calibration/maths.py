@@ -8,7 +8,8 @@ its KV heads), shape ``[1]``; ``attn_head``: one per KV head, ``[num_kv_heads, 1
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,3 +43,15 @@ def scales_from_observed(
         name: (scale_from_amax(obs.k_amax[name], scheme), scale_from_amax(obs.v_amax[name], scheme))
         for name in sorted_modules(obs.k_amax)
     }
+
+
+def reads_other_cache(config: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    """The attention modules of ``names`` that read another layer's KV cache, as the
+    model's config (config.json's dict) wires it (``sharing.kv_sharing_targets``): they
+    serve their target's scales and get none of their own."""
+    from kvscale_plugin.inspection.config import text_config
+    from kvscale_plugin.names import main_stack_index
+    from kvscale_plugin.sharing import kv_sharing_targets
+
+    shares = kv_sharing_targets(text_config(config))
+    return [name for name in names if main_stack_index(name) in shares]

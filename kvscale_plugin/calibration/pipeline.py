@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import torch
 
 from kvscale_plugin.calibration.common import CalibrationError, check_scheme
 from kvscale_plugin.calibration.corpus import pick_texts
-from kvscale_plugin.calibration.maths import scales_from_observed
+from kvscale_plugin.calibration.maths import reads_other_cache, scales_from_observed
 from kvscale_plugin.calibration.observer import Observed, load_model, observe
 from kvscale_plugin.calibration.write import check_paths, write_checkpoint
 
@@ -51,7 +51,7 @@ def calibrate(
         log(f"{len(texts)} samples from {samples_source}, up to {max_len} tokens each")
     obs = observe(model, tokenizer, texts, max_len=max_len, progress=progress)
     scales = scales_from_observed(obs, scheme)
-    shared = _reads_other_cache(src, scales)
+    shared = reads_other_cache(json.loads((src / "config.json").read_text()), scales)
     for name in shared:
         del scales[name]  # they serve their target's scales: never a second, other one
     if log and shared:
@@ -69,15 +69,3 @@ def calibrate(
     del model
     out = write_checkpoint(src, dst, scales, scheme, force=force, record=record)
     return CalibrationResult(out, obs, scales)
-
-
-def _reads_other_cache(model_dir: Path, scales: Mapping[str, object]) -> list[str]:
-    """The attention modules (of ``scales``) that read another layer's KV cache, as the
-    model's config.json wires it (``sharing.kv_sharing_targets``)."""
-    from kvscale_plugin.inspection.config import text_config
-    from kvscale_plugin.names import main_stack_index
-    from kvscale_plugin.sharing import kv_sharing_targets
-
-    config = json.loads((model_dir / "config.json").read_text())
-    shares = kv_sharing_targets(text_config(config))
-    return [name for name in scales if main_stack_index(name) in shares]
