@@ -1,5 +1,5 @@
 """RL weight syncs on SGLang's real ``sglang.Engine`` (CPU), one Engine start
-(docs/rl-sglang.md): the scales each sync path carries, the served copies checked after
+(docs/reliability.md): the scales each sync path carries, the served copies checked after
 each update, and kvscale's scale fingerprint as ``Engine.get_server_info()`` returns it.
 
 On this CPU the Engine serves a bf16 cache (torch_native ignores KV scales, so kvscale

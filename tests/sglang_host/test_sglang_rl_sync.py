@@ -1,4 +1,4 @@
-"""RL weight syncs on real SGLang modules (docs/rl-sglang.md): every sync path serves the
+"""RL weight syncs on real SGLang modules (docs/reliability.md): every sync path serves the
 scales that come with it, the served copies are checked after every load, the scale
 fingerprint equals ``kvscale_plugin.fingerprint.scale_fingerprint`` of the tensors sent,
 and on an FP8 pool a sync that changed the scales flushes the radix cache.

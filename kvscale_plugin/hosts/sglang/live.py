@@ -1,4 +1,4 @@
-"""RL weight syncs on a running SGLang engine (docs/rl-sglang.md).
+"""RL weight syncs on a running SGLang engine (docs/reliability.md).
 
 * **Every sync path takes its scales.** SGLang post-processes (``process_weights_after_
   loading``, where the KV method serves what its loaders recorded) after a start-up load,
