@@ -133,3 +133,31 @@ def warn_unmapped_scales(names: Iterable[str], scope: str = "") -> None:
         len(shown),
         ", ".join(shown),
     )
+
+
+def short_values(values: list[float] | None) -> str:
+    """A served copy's values for a message: one number when all are equal."""
+    if values is None:
+        return "nothing"
+    if len(set(values)) == 1:
+        return f"{values[0]:g}"
+    return "[" + ", ".join(f"{x:g}" for x in values[:4]) + (", ...]" if len(values) > 4 else "]")
+
+
+def warn_rewritten_copies(key: str, details: list[str], causes: str) -> None:
+    """Once for ``key`` (one check): the served copies that did not hold the scales in
+    force and were rewritten (``details``: one ``<copy> held X, in force Y`` each);
+    ``causes``: what in this host clears or changes them."""
+    if not details:
+        return
+    warn_once(
+        key,
+        "kvscale: %d served KV-scale %s not hold the scales in force and %s rewritten from "
+        "kvscale's record: %s. Something outside kvscale changed them (%s); nothing is "
+        "served from them after this check.",
+        len(details),
+        "copy did" if len(details) == 1 else "copies did",
+        "was" if len(details) == 1 else "were",
+        shorten(details, "copies"),
+        causes,
+    )

@@ -37,6 +37,7 @@ from kvscale_plugin._log import shorten, warn_once
 from kvscale_plugin.fingerprint import digest, entry_line
 from kvscale_plugin.loadcycle import LayerRecord, layer_record
 from kvscale_plugin.names import main_stack_index
+from kvscale_plugin.notices import short_values, warn_rewritten_copies
 from kvscale_plugin.scales import ResolvedScales
 
 logger = logging.getLogger("kvscale_plugin")
@@ -144,14 +145,6 @@ def disagreeing_copies(layer: torch.nn.Module) -> list[tuple[str, list[float] | 
     return wrong
 
 
-def _short(values: list[float] | None) -> str:
-    if values is None:
-        return "nothing"
-    if len(set(values)) == 1:
-        return f"{values[0]:g}"
-    return "[" + ", ".join(f"{x:g}" for x in values[:4]) + (", ...]" if len(values) > 4 else "]")
-
-
 def check_served(cfg: Any) -> list[str]:
     """Compare every served copy of every kvscale layer of ``cfg`` with the scales in force,
     rewrite the layers where one disagrees, and say so once for this check. Returns what
@@ -167,21 +160,16 @@ def check_served(cfg: Any) -> list[str]:
         write_scales(layer, record, record.resolved)
         for copy, held, expected in wrong:
             fixed.append(f"{record.name}.{copy}")
-            details.append(f"{record.name}.{copy} held {_short(held)}, in force {_short(expected)}")
+            details.append(
+                f"{record.name}.{copy} held {short_values(held)}, in force {short_values(expected)}"
+            )
     live = state(cfg)
     live.checks += 1
-    if fixed:
-        warn_once(
-            f"sglang-served-copies-{id(cfg)}-{live.checks}",
-            "kvscale: %d served KV-scale %s not hold the scales in force and %s "
-            "rewritten from kvscale's record: %s. Something outside kvscale changed them "
-            "(memory released and resumed, a refit that wrote one copy only); nothing is "
-            "served from them after this check.",
-            len(fixed),
-            "copy did" if len(fixed) == 1 else "copies did",
-            "was" if len(fixed) == 1 else "were",
-            shorten(details, "copies"),
-        )
+    warn_rewritten_copies(
+        f"sglang-served-copies-{id(cfg)}-{live.checks}",
+        details,
+        "memory released and resumed, a refit that wrote one copy only",
+    )
     return fixed
 
 
@@ -227,7 +215,7 @@ def fingerprint_lines(attention: Iterable[torch.nn.Module]) -> list[str]:
                     continue
                 seen = [max(held)] if copy.endswith("_heads") and held else held
                 if seen != device[:1] * len(seen):
-                    extra.append(f"! {index} {kind} {copy} {_short(held)}")
+                    extra.append(f"! {index} {kind} {copy} {short_values(held)}")
     return [entries[key] for key in sorted(entries)] + sorted(extra)
 
 

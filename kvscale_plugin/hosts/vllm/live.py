@@ -45,6 +45,7 @@ from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.hosts.vllm.runtime import last_rank
 from kvscale_plugin.loadcycle import layer_record, read_scale
 from kvscale_plugin.names import main_stack_index, map_scale_name, scale_kind
+from kvscale_plugin.notices import short_values, warn_rewritten_copies
 from kvscale_plugin.scales import CorruptScaleError, CorruptScales, ResolvedScales, ScaleSource
 
 logger = logging.getLogger("kvscale_plugin")
@@ -180,28 +181,17 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
         name = getattr(layer, "layer_name", "?")
         for copy, values, expected in wrong:
             fixed.append(f"{name}.{copy}")
-            details.append(f"{name}.{copy} held {_short(values)}, in force {_short(expected)}")
+            details.append(
+                f"{name}.{copy} held {short_values(values)}, in force {short_values(expected)}"
+            )
     live = state(cfg)
     live.checks += 1
-    if fixed:
-        warn_once(
-            f"{cfg.warn_scope}served-copies-{live.checks}",
-            "kvscale: %d served KV-scale %s not hold the scales in force and %s "
-            "rewritten from kvscale's record: %s. Something outside kvscale changed them "
-            "(memory cleared by vLLM's sleep level 2, a refit that wrote one copy only); "
-            "nothing is served from them after this check.",
-            len(fixed),
-            "copy did" if len(fixed) == 1 else "copies did",
-            "was" if len(fixed) == 1 else "were",
-            shorten(details, "copies"),
-        )
+    warn_rewritten_copies(
+        f"{cfg.warn_scope}served-copies-{live.checks}",
+        details,
+        "memory cleared by vLLM's sleep level 2, a refit that wrote one copy only",
+    )
     return fixed
-
-
-def _short(values: list[float]) -> str:
-    if len(set(values)) == 1:
-        return f"{values[0]:g}"
-    return "[" + ", ".join(f"{x:g}" for x in values[:4]) + (", ...]" if len(values) > 4 else "]")
 
 
 def _serve_cpu_write(layer: torch.nn.Module) -> None:
@@ -248,7 +238,7 @@ def fingerprint_lines(layers: Iterable[torch.nn.Module]) -> list[str]:
                 if of != scale or all_heads or values is None:
                     continue
                 if _f32(values) != top * len(values):
-                    extra.append(f"! {index} {scale} {copy} {_short(values)}")
+                    extra.append(f"! {index} {scale} {copy} {short_values(values)}")
     return [entries[key] for key in sorted(entries)] + sorted(extra)
 
 
