@@ -27,7 +27,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,11 +56,11 @@ _HOST_NAME = "vllm"
 
 @dataclass(eq=False)
 class LiveState:
-    """Per engine config, in this process: how many times scales were taken."""
+    """Per engine config, in this process: how many times scales were taken, and how many
+    served-copy checks ran (each check warns under its own key)."""
 
     updates: int = 0
     checks: int = 0
-    models: list[weakref.ref[torch.nn.Module]] = field(default_factory=list)
 
 
 _STATES: weakref.WeakKeyDictionary[Any, LiveState] = weakref.WeakKeyDictionary()
@@ -371,7 +371,6 @@ def wrap_model(cfg: Any, model: torch.nn.Module) -> None:
 
     setattr(load_weights, _WRAPPED, True)
     model.load_weights = load_weights
-    state(cfg).models.append(weakref.ref(model))
 
 
 def _divert(

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import shorten, warn_once
 from kvscale_plugin.hosts.vllm.layers import (
     engine_layers,
@@ -45,7 +46,9 @@ _CORE_WRAPPED = "__kvscale_core_rpc__"
 
 def _is_kvscale_engine(core: Any) -> bool:
     config = getattr(core, "vllm_config", None)
-    return getattr(getattr(config, "model_config", None), "quantization", None) == "kvscale"
+    return (
+        getattr(getattr(config, "model_config", None), "quantization", None) == QUANTIZATION_METHOD
+    )
 
 
 def _engine_epoch(core: Any) -> tuple[Any, ...]:
