@@ -27,7 +27,9 @@ a corrupt scale, cache does not use them      nothing served changes (the corrup
 (bf16, a scheme kvscale does not serve)       never become the scales in force); one warning
                                               names the tensors
 valid k and/or v scales                       served (resolved: one k_scale / v_scale /
-                                              kv_scale for both), in place
+                                              kv_scale for both), in place; in a reload
+                                              (an update) a lone k or v changes that one
+                                              and keeps the other in force
 no scale for the layer, reload                the scales in force are kept (one warning per
                                               engine: a trainer's update carries none)
 no scale for the layer, start-up              1.0 (one warning for a declared scheme,
@@ -319,6 +321,13 @@ class Cycle:
         # its name mapping: the verdict names tensors as the file does.
         self._on_disk: Mapping[str, str] = on_disk if on_disk is not None else {}
         self.pending: set[str] = set()
+        # The host's own load is running (``begin`` .. ``close``): scale tensors go to the
+        # KV method's loaders then. Known from the cycle, never from placeholder
+        # attributes (vLLM >= 0.34 keeps its placeholders after loading).
+        self.loading = False
+        # Tensors refused for layers this process does not hold (another pipeline stage's):
+        # every rank judges the whole update, so a refusal anywhere is one everywhere.
+        self.elsewhere = CorruptScales(self._changed)
         self._processed: dict[str, tuple[str, ResolvedScales, str]] = {}
         self._refused: tuple[CorruptScales, CorruptScales] | None = None
         self.verdict = Verdict()
@@ -345,6 +354,13 @@ class Cycle:
     def built(self, name: str) -> None:
         """Layer ``name`` takes part in the cycle (built, or re-armed for a reload)."""
         self.pending.add(name)
+        self.loading = True
+
+    def begin(self, loading: bool = True) -> None:
+        """The host's own load starts (a reload entry point that re-creates nothing), or
+        has ended (``loading=False``: scale tensors sent after it are an update)."""
+        self.loading = loading
+        self.elsewhere.clear()
 
     def refused(self) -> tuple[CorruptScales, CorruptScales]:
         """Every k/v and every q tensor the cycle's layers refused (layers that read another
@@ -352,6 +368,7 @@ class Cycle:
         loader changed a record."""
         if self._refused is None:
             kv, q = CorruptScales(), CorruptScales()
+            kv.update(self.elsewhere)
             for record in list(self.records.values()):
                 if self._target_of is not None:
                     record.target = self._target_of(record)
@@ -382,12 +399,17 @@ class Cycle:
         reads = serves and reads_q
         corrupt = CorruptScales.union(kv, q) if reads and q else kv
         reload = record.resolved is not None
+        k, v = record.value("k_scale"), record.value("v_scale")
+        if reload and (k is None) != (v is None):
+            # An update that names k only (or v only) keeps the other in force (bucketed
+            # senders split a layer's k and v across calls).
+            k, v = _keep_other(record, k, v, 2.0 if fnuz else 1.0)
         outcome = decide(
             serves=serves,
             reload=reload,
             corrupt=bool(corrupt),
-            k=record.value("k_scale"),
-            v=record.value("v_scale"),
+            k=k,
+            v=v,
             fnuz=fnuz,
         )
         verdict = self.verdict
@@ -439,6 +461,20 @@ class Cycle:
             target = self.records.get(record.target) if record.target else None
             if target is not None and target.resolved is not None:
                 yield record, target.resolved
+
+
+def _keep_other(
+    record: LayerRecord, k: tuple[float, ...] | None, v: tuple[float, ...] | None, factor: float
+) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """A reload's lone k (or v) with the other scale in force (as loaded: the platform's
+    ``factor`` out); a layer whose cache used no scales duplicates it, as at start-up."""
+    current = record.resolved
+    if current is None or current.source is ScaleSource.UNSCALED:
+        return k, v
+    n = len(k or v or ())
+    held = current.k_heads if k is None else current.v_heads
+    other = tuple(x / factor for x in (held if len(held) == n else (max(held),) * n))
+    return (other, v) if k is None else (k, other)
 
 
 def serve_target(

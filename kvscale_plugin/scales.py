@@ -80,6 +80,11 @@ class CorruptScaleError(ValueError):
     """Raised when loaded KV scales cannot be served (0, negative, NaN, inf, bad shape)."""
 
 
+#: Ends the message of an update (a reload, a weight sync) refused for corrupt scales:
+#: every rank refuses it alike, and whoever reads the ranks' answers knows it by this.
+REFUSED_MARK = " [kvscale: refused on every rank]"
+
+
 #: Largest usable scale: the cache's largest value (448) times the scale must stay a
 #: finite float32, or dequantizing turns the cache into inf/NaN. No calibration gives one.
 MAX_SCALE = FLOAT32_MAX / FP8_E4M3_MAX

@@ -332,11 +332,31 @@ INTERNALS: tuple[Internal, ...] = (
         "model.load_weights inside it goes to the KV method (kvscale's wrapper passes it on)",
     ),
     _i(
-        "vllm.v1.engine.core",
-        "EngineCore.reset_prefix_cache",
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.schedule",
         "rl-sync",
-        "resets the prefix cache, preempting running requests (recomputed)",
+        "wrapped: before each step, a pending prefix-cache reset runs (a scale change "
+        "in this process's workers, or one the engine core saw across processes), "
+        "retried until it succeeds",
+        patch="a scale change made by a direct call (an in-process or colocated SPMD "
+        "engine: model.load_weights, worker.reload_weights) passes no engine-core RPC, "
+        "and a reset that fails (blocks held for a remote decode side) must be retried: "
+        "vLLM has no hook after a weight update nor before a step",
+    ),
+    _i(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.reset_prefix_cache",
+        "rl-sync",
+        "resets the prefix cache, preempting running requests (recomputed) the first time",
         params=("reset_running_requests",),
+    ),
+    _i(
+        "vllm.v1.executor.multiproc_executor",
+        "MultiprocExecutor.collective_rpc",
+        "rl-sync",
+        "reads the ranks' answers in order and stops at the first failure: after a "
+        "refusal every rank made, kvscale reads the other ranks' answers to that call "
+        "(its response_mqs) so that the next call reads its own",
     ),
     # -- mtp-drafts
     _i(

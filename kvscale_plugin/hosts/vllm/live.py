@@ -22,31 +22,27 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvscale_plugin._log import shorten, warn_once
+from kvscale_plugin._log import warn_once
 from kvscale_plugin.fingerprint import digest, entry_line
 from kvscale_plugin.hosts.vllm.layers import (
     EngineConfig,
     engine_layers,
     is_kvscale_layer,
     kvscale_config,
-    layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.process import HOST
-from kvscale_plugin.hosts.vllm.runtime import last_rank
-from kvscale_plugin.loadcycle import layer_record, read_scale
-from kvscale_plugin.names import main_stack_index, map_scale_name, scale_kind
+from kvscale_plugin.loadcycle import layer_record
+from kvscale_plugin.names import main_stack_index
 from kvscale_plugin.notices import short_values, warn_rewritten_copies
-from kvscale_plugin.scales import CorruptScaleError, CorruptScales, ResolvedScales, ScaleSource
+from kvscale_plugin.scales import ResolvedScales
 
 logger = logging.getLogger("kvscale_plugin")
 
@@ -61,6 +57,8 @@ class LiveState:
 
     updates: int = 0
     checks: int = 0
+    #: what this engine's FP8 caches are written with, as last seen (``prefixcache``)
+    epoch: tuple[Any, ...] | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, LiveState] = weakref.WeakKeyDictionary()
@@ -73,7 +71,7 @@ def state(cfg: EngineConfig) -> LiveState:
     return found
 
 
-def _fnuz() -> bool:
+def fnuz() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_fp8_fnuz())
@@ -177,7 +175,7 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
         record = layer_record(layer)
         assert record is not None and record.resolved is not None
         write_kv_scales(layer, record.resolved)
-        _serve_cpu_write(layer)
+        serve_cpu_write(layer)
         name = getattr(layer, "layer_name", "?")
         for copy, values, expected in wrong:
             fixed.append(f"{name}.{copy}")
@@ -194,7 +192,7 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
     return fixed
 
 
-def _serve_cpu_write(layer: torch.nn.Module) -> None:
+def serve_cpu_write(layer: torch.nn.Module) -> None:
     if "cpu-write" in HOST.installed:
         from kvscale_plugin.hosts.vllm.cpu_write import serve_layer
 
@@ -211,7 +209,7 @@ def fingerprint_lines(layers: Iterable[torch.nn.Module]) -> list[str]:
     cache are not part of it."""
     from kvscale_plugin.hosts.vllm.shared import sharing_target
 
-    factor = 2.0 if _fnuz() else 1.0
+    factor = 2.0 if fnuz() else 1.0
     entries: dict[tuple[int, str], str] = {}
     extra: list[str] = []
     chosen = []
@@ -302,6 +300,9 @@ def after_load(cfg: EngineConfig, what: str, *, took_scales: bool, quiet: bool =
     of a sync's many buckets, logs it at DEBUG unless a copy was rewritten). Never raises (a
     failure here costs this check only)."""
     try:
+        from kvscale_plugin.hosts.vllm.prefixcache import note_scales
+
+        note_scales(cfg, state(cfg))
         fixed = check_served(cfg)
         if took_scales:
             state(cfg).updates += 1
@@ -314,189 +315,3 @@ def after_load(cfg: EngineConfig, what: str, *, took_scales: bool, quiet: bool =
             type(exc).__name__,
             exc,
         )
-
-
-# -- scale tensors through the model's own load_weights ---------------------------------
-
-
-def _landing(cfg: Any, name: str, paths: list[Any]) -> tuple[torch.nn.Module, str] | None | bool:
-    """Where a weight called ``name`` goes: (attention layer, kind) for a KV scale of this
-    model, None for any other weight, False for a KV-scale name that lands on no layer.
-    ``paths``: the call's ``ModelPaths``, built at its first scale name."""
-    from kvscale_plugin.hosts.vllm.scalepaths import ModelPaths
-
-    mapped = map_scale_name(name, _HOST_NAME, cfg.model_type)
-    kind = scale_kind(name)
-    if mapped is None and kind is None and not name.endswith(".kv_scale"):
-        return None
-    if not paths:
-        paths.append(ModelPaths(cfg.attention_layers()))
-    found = paths[0].land(name, mapped)
-    if found is not None:
-        landing, layer = found
-        return layer, landing.kind
-    if mapped is not None:
-        layer = cfg.attention_layer(mapped.rsplit(".", 1)[0])
-        if layer is not None:
-            return layer, mapped.rsplit(".", 1)[1]
-    return False
-
-
-def _in_load_cycle(cfg: Any) -> bool:
-    """vLLM's own load cycle is running (start-up load, reload, weight-transfer session):
-    the layers hold scale placeholders then, and the KV method takes the scales."""
-    return any(hasattr(layer, "k_scale") for layer in cfg.attention_layers())
-
-
-def wrap_model(cfg: Any, model: torch.nn.Module) -> None:
-    """Wrap ``model``'s own ``load_weights`` (this instance only). Idempotent."""
-    original = model.load_weights
-    if getattr(original, _WRAPPED, False):
-        return
-
-    @functools.wraps(original)
-    def load_weights(weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any):
-        if _in_load_cycle(cfg):
-            return original(weights, *args, **kwargs)
-        taken: list[tuple[str, torch.Tensor, Any]] = []
-        rest = _divert(cfg, weights, taken)
-        first = next(rest, None)
-        loaded = (
-            original(itertools.chain([first], rest), *args, **kwargs)
-            if first is not None
-            else set()
-        )
-        names = take_update(cfg, taken)
-        return loaded | names if isinstance(loaded, set) else loaded
-
-    setattr(load_weights, _WRAPPED, True)
-    model.load_weights = load_weights
-
-
-def _divert(
-    cfg: Any,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    taken: list[tuple[str, torch.Tensor, Any]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    paths: list[Any] = []
-    for name, tensor in weights:
-        where = _landing(cfg, name, paths)
-        if where is None:
-            yield name, tensor
-        else:
-            taken.append((name, tensor, where))
-
-
-def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Any]]) -> set[str]:
-    """One update: the KV-scale tensors of one ``model.load_weights`` call, validated
-    together, then written in place; the served copies checked; counted and logged.
-    Returns the names taken. Raises ``CorruptScaleError`` (nothing written) when any is
-    corrupt."""
-    from kvscale_plugin.hosts.vllm.qscales import reads_q_scale
-    from kvscale_plugin.hosts.vllm.served import write_kv_scales, write_scales
-    from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
-
-    corrupt = CorruptScales()
-    nowhere: list[str] = []
-    updates: dict[int, tuple[torch.nn.Module, dict[str, tuple[float, ...]]]] = {}
-    for name, tensor, where in taken:
-        if where is False:
-            nowhere.append(name)
-            continue
-        layer, kind = where
-        record = layer_record(layer)
-        if record is None or kind not in ("k_scale", "v_scale", "q_scale"):
-            continue  # zero points (accepted, dropped), prob_scale (read by no backend)
-        if kind == "q_scale" and not reads_q_scale(layer):
-            continue  # no attention backend here reads it
-        values, problems = read_scale(name, tensor, record.heads, is_query=kind == "q_scale")
-        if values is None:
-            corrupt.add(problems)
-            continue
-        kinds = updates.setdefault(id(layer), (layer, {}))[1]
-        kinds[kind] = values
-        if name.endswith(".kv_scale"):  # the legacy single scale: k and v
-            kinds["v_scale"] = values
-    if nowhere:
-        warn_once(
-            f"{cfg.warn_scope}live-unmapped-{','.join(sorted(nowhere))}",
-            "kvscale: KV-scale tensor(s) that name no attention layer of this model were "
-            "dropped from the update: %s (check the names against `kvscale inspect` of a "
-            "checkpoint of the model).",
-            shorten(nowhere, "tensors"),
-        )
-    if corrupt:
-        lines = "\n".join(
-            f"  - {name}: {why}" for name, why in sorted(corrupt.as_mapping().items())
-        )
-        message = (
-            f"kvscale: refused the {len(corrupt)} corrupt KV-scale tensor(s) of this "
-            f"model.load_weights call:\n{lines}\nNo scale of the call was taken: every "
-            "attention layer keeps the scales in force (the call's other weights were "
-            "loaded). Fix them where they are computed (a scale is a positive, finite "
-            "number) and send the scales again."
-        )
-        if last_rank():
-            raise CorruptScaleError(message)
-        # Every rank refuses the same tensors (each checks all heads); only the last one
-        # raises: vLLM's multiprocess executor reads the ranks' answers in order and stops
-        # at the first failure, so a raise on an earlier rank would leave the later ranks'
-        # answers queued for the next collective_rpc.
-        logger.warning("%s (Raised by the engine's last rank.)", message)
-        return set()
-    factor = 2.0 if _fnuz() else 1.0
-    names: set[str] = set()
-    served = 0
-    for layer, kinds in updates.values():
-        record = layer_record(layer)
-        assert record is not None
-        names.update(f"{record.name}.{kind}" for kind in kinds)
-        if sharing_target(layer) is not None or not layer_serves_checkpoint_scales(
-            cfg.kv_verdict, layer
-        ):
-            continue  # reads another layer's cache / a cache that uses no scales
-        current = record.resolved
-        k_heads = _scaled(kinds.get("k_scale"), factor) or (current.k_heads if current else (1.0,))
-        v_heads = _scaled(kinds.get("v_scale"), factor) or (current.v_heads if current else (1.0,))
-        resolved = ResolvedScales(
-            max(k_heads), max(v_heads), ScaleSource.CHECKPOINT, k_heads, v_heads
-        )
-        if "q_scale" in kinds:
-            q = _scaled(kinds["q_scale"], factor) or (1.0,)
-            write_scales(layer, resolved, q, float(getattr(layer, "_prob_scale_float", 1.0)))
-        else:
-            write_kv_scales(layer, resolved)
-        record.served(resolved, ScaleSource.CHECKPOINT.value)
-        _serve_cpu_write(layer)
-        served += 1
-    resync_sharing_layers(cfg.attention_layers())
-    total = len(cfg.attention_layers())
-    what = "weights-only model.load_weights"
-    if updates:
-        what = (
-            f"KV-scale update through model.load_weights: {len(names)} tensor(s) for "
-            f"{len(updates)} of {total} attention layers taken ({served} serve them)"
-        )
-        if len(updates) < total:
-            what += f"; the other {total - len(updates)} keep theirs"
-    after_load(cfg, what, took_scales=bool(updates), quiet=not updates)
-    return names
-
-
-def _scaled(values: tuple[float, ...] | None, factor: float) -> tuple[float, ...] | None:
-    return tuple(x * factor for x in values) if values else None
-
-
-def wrap_loaded_models(cfg: Any) -> None:
-    """At the end of a start-up load: every model this config's layers belong to gets the
-    wrapped ``load_weights`` (the target model and an MTP draft)."""
-    from kvscale_plugin.hosts.vllm.scalepaths import module_path
-
-    roots: dict[int, torch.nn.Module] = {}
-    for layer in cfg.attention_layers():
-        found = module_path(layer)
-        if found is not None:
-            roots[id(found[0])] = found[0]
-    for root in roots.values():
-        if callable(getattr(root, "load_weights", None)):
-            wrap_model(cfg, root)

@@ -417,14 +417,15 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         # Built in this load cycle: its INFO line counts it; the last one ends the cycle.
         pool = str(layer.kv_cache_dtype)
         if counted and cfg.cycle.done(record, pool, prefix="(MTP draft) " if record.draft else ""):
+            cfg.cycle.begin(loading=False)
             finish_load_cycle(cfg)
             if not cfg.cycle.verdict.reload:
                 # A start-up load's verdict (a reload's is the reload check's to report).
                 report_verdict(cfg, cfg.cycle.take_verdict())
                 if "rl-sync" in HOST.installed:
-                    from kvscale_plugin.hosts.vllm import live
+                    from kvscale_plugin.hosts.vllm import live, update
 
-                    live.wrap_loaded_models(cfg)
+                    update.wrap_loaded_models(cfg)
                     live.after_load(cfg, "start-up load", took_scales=True)
         self._drop_placeholders(layer, record)
 

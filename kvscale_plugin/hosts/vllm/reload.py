@@ -46,11 +46,10 @@ from kvscale_plugin.hosts.vllm.layers import (
 )
 from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.hosts.vllm.qscales import reads_q_scale, warn_unread_q_scales
-from kvscale_plugin.hosts.vllm.runtime import last_rank
 from kvscale_plugin.hosts.vllm.shared import resync_sharing_layers, sharing_target
 from kvscale_plugin.loadcycle import LayerRecord, Verdict, layer_record
 from kvscale_plugin.notices import refused_reload_message, warn_verdict
-from kvscale_plugin.scales import CorruptScaleError
+from kvscale_plugin.scales import REFUSED_MARK, CorruptScaleError, CorruptScales
 
 logger = logging.getLogger("kvscale_plugin")
 
@@ -87,21 +86,26 @@ def _forget_cycle(layers: Iterable[torch.nn.Module]) -> None:
         record.corrupt_q.clear()
     for cfg in _configs(layers):
         cfg.cycle.take_verdict()
+        cfg.cycle.begin(loading=False)
         cfg.mtp_scales_seen.clear()
         cfg.unmapped_scales.clear()
 
 
-def report_verdict(cfg: EngineConfig, verdict: Verdict) -> None:
+def report_verdict(
+    cfg: EngineConfig, verdict: Verdict, refused: Callable[[CorruptScales], str] | None = None
+) -> None:
     """A load cycle's verdict (``loadcycle.Cycle.judge``) in vLLM's terms: its warnings
-    once per engine and cause, and a refused reload raised as ``CorruptScaleError``."""
+    once per engine and cause, and a refused reload (or update: ``refused`` words its
+    error) raised as ``CorruptScaleError``."""
     warn_verdict(verdict, cfg.warn_scope, draft_scope=DRAFT_SCOPE)
     if verdict.unread_q:
         warn_unread_q_scales(verdict.unread_q, cfg.warn_scope)
     if verdict.refused:
-        message = refused_reload_message(verdict.refused, "vLLM")
-        if last_rank():
-            raise CorruptScaleError(message)
-        logger.error("%s (Raised by the engine's last rank.)", message)
+        # Every rank judges the same tensors and raises alike (the multiprocess executor's
+        # stop at the first failing rank is handled where it reads the answers:
+        # ``prefixcache``).
+        message = (refused or (lambda c: refused_reload_message(c, "vLLM")))(verdict.refused)
+        raise CorruptScaleError(message + REFUSED_MARK)
 
 
 def check_reload(layers: list[torch.nn.Module], *, draft: bool) -> None:
@@ -177,7 +181,10 @@ _WRAPPED = "__kvscale_reload_check__"
 def _reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def reload_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _forget_cycle(engine_layers(self))  # whatever an earlier, unchecked load left
+        layers = engine_layers(self)
+        _forget_cycle(layers)  # whatever an earlier, unchecked load left
+        for cfg in _configs(layers):
+            cfg.cycle.begin()  # (vLLM >= 0.34's direct reload re-creates no placeholder)
         result = original(self, *args, **kwargs)
         check_reload(engine_layers(self), draft=False)
         return result
