@@ -144,6 +144,7 @@ def _read(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> tuple[dic
                 continue
             _, problems = read_scale(name, tensor, heads, is_query=is_q)
             cfg.cycle.elsewhere.add(problems)
+            names.add(name)  # (returned as taken by the stage that holds it)
             continue
         assert not isinstance(where, (bool, str)) and where is not None
         layer, kind = where
@@ -249,8 +250,14 @@ def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> set
         )
         if len(named) < total:
             what += f"; the other {total - len(named)} keep theirs"
-    live.after_load(cfg, what, took_scales=bool(named), quiet=not named)
-    return names
+    # Counted alike on every rank and stage: a call that carried scales for any layer.
+    took = bool(named) or bool(names)
+    live.after_load(cfg, what, took_scales=took, quiet=not took)
+    return {name for name in names if name.rsplit(".", 1)[0] in _local_names(layers)}
+
+
+def _local_names(layers: list[torch.nn.Module]) -> set[str]:
+    return {record.name for record in map(layer_record, layers) if record is not None}
 
 
 def _refused(corrupt: CorruptScales) -> str:
