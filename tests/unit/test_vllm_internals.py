@@ -143,11 +143,11 @@ def test_a_target_that_no_longer_calls_the_path_is_a_problem():
     assert callsites.calls_problem("process_weights_after_loading", found) is None
 
 
-def test_every_patched_place_says_why_and_a_kvscale_engine_patches_at_most_five():
+def test_every_patched_place_says_why_and_a_kvscale_engine_patches_at_most_six():
     assert all(len(i.patch) > 40 for i in internals.PATCHED)
     # The MTP draft routing goes in only where the model declares MTP layers.
     plain_engine = [i for i in internals.PATCHED if i.feature != "mtp-drafts"]
-    assert len(plain_engine) <= 5, [i.target for i in plain_engine]
+    assert len(plain_engine) <= 6, [i.target for i in plain_engine]
 
 
 def test_one_feature_table_every_feature_has_its_installer_or_none():
