@@ -27,9 +27,8 @@ a corrupt scale, cache does not use them      nothing served changes (the corrup
 (bf16, a scheme kvscale does not serve)       never become the scales in force); one warning
                                               names the tensors
 valid k and/or v scales                       served (resolved: one k_scale / v_scale /
-                                              kv_scale for both), in place; in a reload
-                                              (an update) a lone k or v changes that one
-                                              and keeps the other in force
+                                              kv_scale for both), in place; in an update
+                                              call a lone k or v keeps the other in force
 no scale for the layer, reload                the scales in force are kept (one warning per
                                               engine: a trainer's update carries none)
 no scale for the layer, start-up              1.0 (one warning for a declared scheme,
@@ -325,6 +324,7 @@ class Cycle:
         # KV method's loaders then. Known from the cycle, never from placeholder
         # attributes (vLLM >= 0.34 keeps its placeholders after loading).
         self.loading = False
+        self.partial = False  # an update call: changes only what it names
         # Tensors refused for layers this process does not hold (another pipeline stage's):
         # every rank judges the whole update, so a refusal anywhere is one everywhere.
         self.elsewhere = CorruptScales(self._changed)
@@ -400,9 +400,9 @@ class Cycle:
         corrupt = CorruptScales.union(kv, q) if reads and q else kv
         reload = record.resolved is not None
         k, v = record.value("k_scale"), record.value("v_scale")
-        if reload and (k is None) != (v is None):
-            # An update that names k only (or v only) keeps the other in force (bucketed
-            # senders split a layer's k and v across calls).
+        if reload and self.partial and (k is None) != (v is None):
+            # An update call that names k only (or v only) keeps the other in force
+            # (bucketed senders split a layer's k and v across calls).
             k, v = _keep_other(record, k, v, 2.0 if fnuz else 1.0)
         outcome = decide(
             serves=serves,
@@ -467,9 +467,10 @@ def _keep_other(
     record: LayerRecord, k: tuple[float, ...] | None, v: tuple[float, ...] | None, factor: float
 ) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
     """A reload's lone k (or v) with the other scale in force (as loaded: the platform's
-    ``factor`` out); a layer whose cache used no scales duplicates it, as at start-up."""
+    ``factor`` out); a layer whose cache used no scales, or whose scales came from one
+    scale for k and v, duplicates it, as at start-up."""
     current = record.resolved
-    if current is None or current.source is ScaleSource.UNSCALED:
+    if current is None or current.source in (ScaleSource.UNSCALED, ScaleSource.DUPLICATED):
         return k, v
     n = len(k or v or ())
     held = current.k_heads if k is None else current.v_heads

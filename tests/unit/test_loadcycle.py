@@ -25,7 +25,13 @@ from kvscale_plugin.notices import (
     reload_without_scales_message,
     unused_corrupt_message,
 )
-from kvscale_plugin.scales import CorruptScales, unscaled
+from kvscale_plugin.scales import (
+    CorruptScales,
+    ResolvedScales,
+    ScaleProblem,
+    ScaleSource,
+    unscaled,
+)
 from kvscale_plugin.scheme import FP8_KV_SCHEME, judge_kv_cache_scheme
 
 SUPPORTED = judge_kv_cache_scheme(dict(FP8_KV_SCHEME))
@@ -288,3 +294,39 @@ def test_the_verdict_files_every_outcome_and_a_new_cycle_starts_empty():
     cycle, records = _judged_cycle({"l0.k_scale": -1.0}, served=False)
     assert cycle.judge(records[0], serves=True).action is Action.REFUSE
     assert list(cycle.verdict.refused.as_mapping()) == ["l0.k_scale"]
+
+
+@pytest.mark.parametrize(
+    "partial, source, fnuz, want",
+    [
+        (False, ScaleSource.CHECKPOINT, False, (5.0, 5.0)),  # a checkpoint's one scale: both
+        (True, ScaleSource.CHECKPOINT, False, (5.0, 2.5)),  # an update call: v kept
+        (True, ScaleSource.CHECKPOINT, True, (10.0, 2.5)),  # fnuz: v kept, not doubled again
+        (True, ScaleSource.DUPLICATED, False, (5.0, 5.0)),  # one scale for both stays so
+    ],
+)
+def test_a_lone_k_in_an_update_call_keeps_v_in_force(partial, source, fnuz, want):
+    cycle = Cycle()
+    record = cycle.record("l0", Layer())
+    v_held = 2.5 if source is ScaleSource.CHECKPOINT else 3.0
+    record.served(ResolvedScales(3.0, v_held, source, (3.0,), (v_held,)))
+    if source is ScaleSource.DUPLICATED:
+        want = (want[0], want[0])
+    record.loaded["k_scale"] = (5.0,)
+    cycle.partial = partial
+    out = cycle.judge(record, serves=True, fnuz=fnuz)
+    assert out.action is Action.SERVE
+    assert (out.resolved.k, out.resolved.v) == want
+
+
+def test_an_update_refused_for_another_stages_tensor_is_refused_here_too():
+    cycle = Cycle()
+    record = cycle.record("l0", Layer())
+    record.served(ResolvedScales(3.0, 2.5, ScaleSource.CHECKPOINT))
+    record.loaded["k_scale"] = (5.0,)
+    cycle.elsewhere.add([ScaleProblem("model.layers.7.self_attn.k_scale", "NaN")])
+    out = cycle.judge(record, serves=True)
+    assert out.action is Action.KEEP and out.refused
+    assert "model.layers.7.self_attn.k_scale" in cycle.take_verdict().refused.as_mapping()
+    cycle.begin(loading=False)  # the host's load ended: nothing is carried over
+    assert not cycle.elsewhere and not cycle.loading

@@ -10,7 +10,7 @@
   answered success. kvscale makes such a call its own load cycle (``standalone_update``):
   the scales it carried are judged together (one corrupt tensor refuses them all, the
   layers keep the scales in force) and served before the call returns; a layer's k or v
-  scale sent alone changes that one (``_keep_the_other_scale``).
+  scale sent alone changes that one (the cycle's rule for a reload).
 * **The served state is checked** at the end of every cycle (``check_served``): every copy
   a backend reads (``k_scale`` / ``v_scale``, ``k_scale_float`` / ``v_scale_float``,
   the record's mirrors, the per-head copies) is compared with the scales in force and
@@ -28,21 +28,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvscale_plugin import livecopies
 from kvscale_plugin._log import shorten, warn_once
-from kvscale_plugin.fingerprint import digest, entry_line
+from kvscale_plugin.fingerprint import digest
+from kvscale_plugin.livecopies import Copy, LiveState
 from kvscale_plugin.loadcycle import LayerRecord, layer_record
 from kvscale_plugin.names import main_stack_index
-from kvscale_plugin.notices import short_values, warn_rewritten_copies
 from kvscale_plugin.scales import ResolvedScales
 
 logger = logging.getLogger("kvscale_plugin")
 
-_STATE_ATTR = "kvscale_live"
 _FP8_DTYPES = {
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
@@ -50,24 +49,9 @@ _FP8_DTYPES = {
 }
 
 
-@dataclass
-class LiveState:
-    """Per kvscale config (one model, in this process): load cycles ended, updates that
-    carried scales (the start-up load counted as 1), checks of the served copies, and
-    what the next cycle's INFO line calls it (set by the entry point running it)."""
-
-    cycles: int = 0
-    updates: int = 0
-    checks: int = 0
-    label: str | None = None
-
-
 def state(cfg: Any) -> LiveState:
-    found = getattr(cfg, _STATE_ATTR, None)
-    if found is None:
-        found = LiveState()
-        setattr(cfg, _STATE_ATTR, found)
-    return found
+    """The engine's live state (``livecopies.LiveState``, kept on its config)."""
+    return livecopies.state(cfg)
 
 
 def layers(cfg: Any) -> list[torch.nn.Module]:
@@ -76,6 +60,18 @@ def layers(cfg: Any) -> list[torch.nn.Module]:
 
 
 # -- the served copies ------------------------------------------------------------------
+
+#: Every copy of a layer's scales SGLang's backends and cache writes read (besides the
+#: record's mirrors): the served tensors (one value: the max), the floats, kvscale's
+#: per-head copies.
+COPIES = (
+    Copy("k_scale", "k"),
+    Copy("v_scale", "v"),
+    Copy("k_scale_float", "k"),
+    Copy("v_scale_float", "v"),
+    Copy("kvscale_k_heads", "k", heads=True),
+    Copy("kvscale_v_heads", "v", heads=True),
+)
 
 
 def write_scales(layer: torch.nn.Module, record: LayerRecord, resolved: ResolvedScales) -> None:
@@ -94,83 +90,24 @@ def write_scales(layer: torch.nn.Module, record: LayerRecord, resolved: Resolved
     layer.kvscale_v_heads = resolved.v_heads
 
 
-def _f32(values: Iterable[float]) -> list[float]:
-    return torch.tensor([float(x) for x in values], dtype=torch.float32).tolist()
-
-
-def _number(value: Any) -> list[float] | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return _f32(value.detach().float().reshape(-1).tolist())
-    if isinstance(value, (tuple, list)):
-        return _f32(value)
-    return _f32([value])
-
-
-def served_copies(layer: torch.nn.Module, record: LayerRecord) -> dict[str, list[float] | None]:
-    """Every copy of ``layer``'s scales a backend or cache write reads, by name."""
-    copies: dict[str, list[float] | None] = {
-        "k_scale": _number(getattr(layer, "k_scale", None)),
-        "v_scale": _number(getattr(layer, "v_scale", None)),
-        "k_scale_float": _number(getattr(layer, "k_scale_float", None)),
-        "v_scale_float": _number(getattr(layer, "v_scale_float", None)),
-        "kvscale_k_heads": _number(getattr(layer, "kvscale_k_heads", None)),
-        "kvscale_v_heads": _number(getattr(layer, "kvscale_v_heads", None)),
-    }
-    for i, (k_copy, v_copy) in enumerate(record.mirrors):
-        copies[f"mirrors[{i}].k"] = _number(k_copy)
-        copies[f"mirrors[{i}].v"] = _number(v_copy)
-    return copies
-
-
-def _expected(resolved: ResolvedScales, copy: str, held: int) -> list[float]:
-    kind = "v" if copy.startswith("v_") or copy.endswith(("_v_heads", ".v")) else "k"
-    if copy.endswith("_heads"):
-        return _f32(resolved.k_heads if kind == "k" else resolved.v_heads)
-    return _f32([resolved.k if kind == "k" else resolved.v] * max(held, 1))
-
-
-def disagreeing_copies(layer: torch.nn.Module) -> list[tuple[str, list[float] | None, list[float]]]:
+def disagreeing_copies(layer: torch.nn.Module) -> list[tuple[str, list[float], list[float]]]:
     """``(copy, held, in force)`` for each copy of ``layer``'s scales that does not hold
     the scales in force (its record's ``resolved``)."""
-    record = layer_record(layer)
-    if record is None or record.resolved is None:
-        return []
-    wrong = []
-    for copy, held in served_copies(layer, record).items():
-        expected = _expected(record.resolved, copy, len(held or ()))
-        if held != expected:
-            wrong.append((copy, held, expected))
-    return wrong
+    return livecopies.disagreeing(layer, COPIES)
 
 
 def check_served(cfg: Any) -> list[str]:
     """Compare every served copy of every kvscale layer of ``cfg`` with the scales in force,
     rewrite the layers where one disagrees, and say so once for this check. Returns what
     was rewritten (``layer.copy``)."""
-    fixed: list[str] = []
-    details: list[str] = []
-    for layer in layers(cfg):
-        wrong = disagreeing_copies(layer)
-        if not wrong:
-            continue
-        record = layer_record(layer)
-        assert record is not None and record.resolved is not None
-        write_scales(layer, record, record.resolved)
-        for copy, held, expected in wrong:
-            fixed.append(f"{record.name}.{copy}")
-            details.append(
-                f"{record.name}.{copy} held {short_values(held)}, in force {short_values(expected)}"
-            )
-    live = state(cfg)
-    live.checks += 1
-    warn_rewritten_copies(
-        f"sglang-served-copies-{id(cfg)}-{live.checks}",
-        details,
+    return livecopies.check_served(
+        cfg,
+        layers(cfg),
+        COPIES,
+        lambda layer, record: write_scales(layer, record, record.resolved),
+        f"sglang-{id(cfg)}-",
         "memory released and resumed, a refit that wrote one copy only",
     )
-    return fixed
 
 
 # -- the fingerprint ----------------------------------------------------------------------
@@ -184,39 +121,19 @@ def _fnuz() -> bool:
 
 def fingerprint_lines(attention: Iterable[torch.nn.Module]) -> list[str]:
     """The canonical lines (``kvscale_plugin.fingerprint``) of what ``attention`` layers
-    serve, read from the served tensors (per-head schemes: this rank's heads as kvscale
-    keeps them, ``kvscale_k_heads``); a copy that disagrees with the served tensor adds a
-    ``!`` line. The layer index is the ``N`` of the layer's ``layers.N`` name (the
-    ``RadixAttention``'s prefix); drafts and layers that read another layer's cache are
-    not part of it."""
-    factor = 2.0 if _fnuz() else 1.0
-    entries: dict[tuple[int, str], str] = {}
-    extra: list[str] = []
+    serve, read from their copies (``livecopies.fingerprint_lines``; per-head schemes:
+    this rank's heads as kvscale keeps them, ``kvscale_k_heads``). The layer index is the
+    ``N`` of the layer's ``layers.N`` name (the ``RadixAttention``'s prefix); drafts and
+    layers that read another layer's cache are not part of it."""
+    chosen = []
     for layer in attention:
         record = layer_record(layer)
         if record is None or record.draft or record.target is not None:
             continue
         index = main_stack_index(record.name)
-        if index is None:
-            continue
-        copies = served_copies(layer, record)
-        for kind in ("k", "v"):
-            device = copies[f"{kind}_scale"]
-            if device is None:
-                continue
-            heads = copies[f"kvscale_{kind}_heads"] if record.heads is not None else None
-            values = heads if heads else device[:1]
-            entries[(index, kind)] = entry_line(index, kind, [x / factor for x in values])
-            for copy, held in copies.items():
-                if held is None or copy == f"{kind}_scale":
-                    continue
-                of = "v" if copy.startswith("v_") or copy.endswith(("_v_heads", ".v")) else "k"
-                if of != kind:
-                    continue
-                seen = [max(held)] if copy.endswith("_heads") and held else held
-                if seen != device[:1] * len(seen):
-                    extra.append(f"! {index} {kind} {copy} {short_values(held)}")
-    return [entries[key] for key in sorted(entries)] + sorted(extra)
+        if index is not None:
+            chosen.append((index, layer))
+    return livecopies.fingerprint_lines(chosen, COPIES, 2.0 if _fnuz() else 1.0)
 
 
 def _tp() -> tuple[int, int]:
@@ -308,21 +225,6 @@ def start_standalone(cfg: Any, model: torch.nn.Module) -> list[torch.nn.Module]:
     return own
 
 
-def _keep_the_other_scale(record: LayerRecord | None) -> None:
-    """A call that carried a layer's ``k_scale`` only (or ``v_scale`` only) changes that
-    one: the other stays in force (a trainer sending buckets may send a layer's two scales
-    in different calls). In a load cycle a lone scale serves k and v (a checkpoint with one
-    scale per layer); a layer whose scales in force came that way keeps that rule."""
-    if record is None or not record.raw:
-        return
-    kinds = ("k_scale", "v_scale")
-    if sum(kind in record.loaded for kind in kinds) != 1:
-        return
-    for kind in kinds:
-        if kind not in record.loaded and kind in record.raw:
-            record.loaded[kind] = record.raw[kind]
-
-
 def end_standalone(cfg: Any, own: list[torch.nn.Module], *, failed: bool = False) -> None:
     """Post-process the KV method of every layer of the call (nothing else: weight methods
     are SGLang's, and a call outside a cycle asked for none), which ends the cycle; its
@@ -333,15 +235,14 @@ def end_standalone(cfg: Any, own: list[torch.nn.Module], *, failed: bool = False
         record = layer_record(layer)
         if failed and record is not None:
             record.loaded.clear()
-        _keep_the_other_scale(record)
     live = state(cfg)
-    cfg.cycle.caller_reports = True
+    cfg.cycle.caller_reports = cfg.cycle.partial = True
     live.label = "model.load_weights outside a weight-update session"
     try:
         for layer in own:
             layer.quant_method.process_weights_after_loading(layer)
     finally:
-        cfg.cycle.caller_reports = False
+        cfg.cycle.caller_reports = cfg.cycle.partial = False
         live.label = None
 
 
@@ -350,12 +251,7 @@ def end_standalone(cfg: Any, own: list[torch.nn.Module], *, failed: bool = False
 
 def scale_epoch(cfg: Any) -> tuple[Any, ...]:
     """The scales in force, per layer: what an FP8 cache is written with."""
-    held = []
-    for layer in layers(cfg):
-        record = layer_record(layer)
-        if record is not None and record.resolved is not None:
-            held.append((record.name, record.resolved.k_heads, record.resolved.v_heads))
-    return tuple(held)
+    return livecopies.epoch(r for r in map(layer_record, layers(cfg)) if r is not None)
 
 
 def manager_config(manager: Any) -> tuple[Any, bool] | None:

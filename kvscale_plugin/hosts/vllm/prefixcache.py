@@ -44,6 +44,7 @@ from kvscale_plugin.hosts.vllm.layers import (
     kvscale_config,
     layer_serves_checkpoint_scales,
 )
+from kvscale_plugin.livecopies import epoch
 from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.scales import REFUSED_MARK
 
@@ -56,12 +57,10 @@ def layers_epoch(layers: Iterable[Any]) -> tuple[Any, ...]:
     held = []
     for layer in layers:
         cfg, record = kvscale_config(layer), layer_record(layer)
-        if cfg is None or record is None or record.resolved is None:
-            continue
-        if not layer_serves_checkpoint_scales(cfg.kv_verdict, layer):
-            continue
-        held.append((record.name, record.resolved.k_heads, record.resolved.v_heads))
-    return tuple(held)
+        if cfg is not None and record is not None:
+            if layer_serves_checkpoint_scales(cfg.kv_verdict, layer):
+                held.append(record)
+    return epoch(held)
 
 
 def scale_epoch(worker: Any) -> tuple[Any, ...]:

@@ -207,7 +207,11 @@ def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> set
             return layer, record, serves, outcome
 
         own = [layer for layer in named.values() if sharing_target(layer) is None]
-        judged = [judge(layer) for layer in own]
+        cycle.partial = True
+        try:
+            judged = [judge(layer) for layer in own]
+        finally:
+            cycle.partial = False
         kv, q = cycle.refused()
         if (kv or q) and not judged:
             # The call's only refusals are for another stage's layers: judged here too.
