@@ -4,7 +4,10 @@ refuses an FP8 cache only when its attention backend is set up, which this never
 so it runs on every CPU -- and the RL-sync steps a trainer drives through
 ``model.load_weights`` (what ``collective_rpc`` runs in a worker). Prints ``RESULT {json}``.
 
-argv: checkpoint dir (2 layers, per-tensor k/v scales).
+argv: checkpoint dir (2 layers, per-tensor k/v scales); ``keep`` as a second argument:
+the KV method keeps its scale placeholders after loading, as on vLLM >= 0.34 (whose
+direct reload loads into them again), so "inside the host's own load" cannot be told from
+them.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ def main() -> None:
     from kvscale_plugin.scales import CorruptScaleError
 
     ckpt = sys.argv[1]
+    if sys.argv[2:] == ["keep"]:
+        from kvscale_plugin.hosts.vllm import method, runtime
+
+        method.keeps_placeholders = runtime.keeps_placeholders = lambda: True
     vc, model = build(ckpt)
     context = vc.compilation_config.static_forward_context
     layers = {int(name.split(".")[2]): m for name, m in context.items() if hasattr(m, "_k_scale")}
@@ -103,7 +110,15 @@ def main() -> None:
     worker = types.SimpleNamespace(vllm_config=vc)
     epochs = {"start": prefixcache.scale_epoch(worker)}
 
-    result: dict = {}
+    result: dict = {
+        "placeholders": sorted(
+            f"{name}.{kind}"
+            for name, m in context.items()
+            if hasattr(m, "_k_scale")
+            for kind in ("k_scale", "v_scale")
+            if hasattr(m, kind)
+        )
+    }
     start = {i: (held()[i]["k"], held()[i]["v"]) for i in layers}
     result["start"] = snapshot(trainer=scale_fingerprint(sent(start)))
 
