@@ -6,10 +6,13 @@ Canonical form (one line per main-stack attention layer and scale, sorted by lay
 
     <layer index> <k|v> <float32 values, hex, comma-separated>
 
-* the layer index is the ``N`` of ``[model.[language_model.]]layers.N.`` -- of the
-  checkpoint tensor name on the trainer's side, of vLLM's / SGLang's attention layer
-  name in the engine; layers outside the main stack (MTP drafts, vision towers) are
-  not part of it;
+* the layer index is the model's own layer number (``layer_index``: the first number
+  in the name, as vLLM's ``extract_layer_index`` reads it: ``model.layers.N``,
+  ``transformer.h.N``, ``gpt_neox.layers.N``, ``model.language_model.layers.N``) -- of
+  the checkpoint tensor name on the trainer's side, of vLLM's / SGLang's attention layer
+  name in the engine; MTP drafts' own layers (``mtp.layers.N``) are not part of it, nor,
+  on the engine's side, layers that read another layer's cache (pass the engine's
+  ``layers`` to leave them out on the trainer's);
 * values are the checkpoint's convention: before the x2 of an ``e4m3fnuz`` platform
   (an engine halves what it serves there);
 * one value for a per-tensor scale; for a per-head scale, the KV heads one tensor-parallel
@@ -21,23 +24,55 @@ An engine appends, after those lines, one ``! <index> <k|v> <copy> <value>`` lin
 served copy (a float, a CPU copy, a per-layer max) that disagrees with its device tensor:
 a consistent engine's digest equals the trainer's, a wrong copy changes it.
 
-The digest is the first 16 hex digits of the SHA-256 of ``kvscale-fp1\\n`` and the lines
-(each ending in ``\\n``). Host-free: imports torch only.
+The digest is the first 16 hex digits of the SHA-256 of ``kvscale-fp2\\n`` and the lines
+(each ending in ``\\n``). It fails closed: a fingerprint over no attention layer is an
+error (``FingerprintError``), never the digest of nothing. Host-free: imports torch only.
+
+Scale names a trainer may send, as the engines take them: ``<attention module>.k_scale``
+/ ``.v_scale``, ``<...>.k_proj.k_scale`` / ``k_proj.output_scale`` (and v), and the
+legacy single ``<...>.kv_scale`` (a k and a v line).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 
-from kvscale_plugin.names import main_stack_index
 from kvscale_plugin.scales import rank_kv_heads
 
-VERSION = "kvscale-fp1"
-_KINDS = {"k_scale": "k", "v_scale": "v"}
+VERSION = "kvscale-fp2"
+_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+_MTP_OWN = re.compile(r"(?:^|\.)(?:mtp_layers|mtp\.layers)\.\d+\.")
+
+
+class FingerprintError(ValueError):
+    """A fingerprint that would cover no attention layer (it would check nothing)."""
+
+
+def layer_index(name: str) -> int | None:
+    """The model's own layer number in a layer or tensor name (its first number), None
+    for an MTP draft's own layers or a name without one."""
+    if _MTP_OWN.search(name):
+        return None
+    found = _NUMBER.search(name)
+    return int(found.group(1)) if found else None
+
+
+def scale_kinds(name: str) -> tuple[str, ...]:
+    """Which of k / v a scale tensor called ``name`` sets (none: not a k/v scale)."""
+    parts = name.rsplit(".", 2)
+    last = parts[-1]
+    if last in ("k_scale", "v_scale"):
+        return (last[0],)
+    if last == "kv_scale":
+        return ("k", "v")
+    if last == "output_scale" and len(parts) == 3 and parts[1] in ("k_proj", "v_proj"):
+        return (parts[1][0],)
+    return ()
 
 
 def value_text(values: Sequence[float]) -> str:
@@ -65,21 +100,21 @@ def canonical_lines(
     tp_size: int = 1,
     layers: Collection[int] | None = None,
 ) -> list[str]:
-    """The canonical lines of scale tensors as a checkpoint names them
-    (``model.layers.N.self_attn.k_scale``, ``...k_proj.k_scale``: any name ending in
-    ``k_scale`` / ``v_scale`` under ``layers.N``); other tensors are skipped, and so are
-    layers not in ``layers`` (when given: a pipeline stage's)."""
+    """The canonical lines of scale tensors as a checkpoint names them (``scale_kinds``,
+    under a numbered layer: ``layer_index``); other tensors are skipped, and so are
+    layers not in ``layers`` (when given: a pipeline stage's, the engine's)."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     entries: dict[tuple[int, str], str] = {}
     for name, tensor in items:
-        kind = _KINDS.get(name.rsplit(".", 1)[-1])
-        index = main_stack_index(name)
-        if kind is None or index is None or (layers is not None and index not in layers):
+        kinds = scale_kinds(name)
+        index = layer_index(name) if kinds else None
+        if index is None or (layers is not None and index not in layers):
             continue
         values = tensor.detach().float().reshape(-1).tolist()
         if len(values) > 1:  # per head: this rank's
             values = [values[h] for h in rank_kv_heads(len(values), tp_rank, tp_size)]
-        entries[(index, kind)] = entry_line(index, kind, values)
+        for kind in kinds:
+            entries[(index, kind)] = entry_line(index, kind, values)
     return [entries[key] for key in sorted(entries)]
 
 
@@ -95,5 +130,14 @@ def scale_fingerprint(
     checkpoint names them. Compare it with ``worker_fingerprint`` (vLLM, through
     ``collective_rpc``) after the sync. Other tensors in ``tensors`` are ignored, so the
     whole update may be passed. ``layers``: only these layer indices (a pipeline-parallel
-    worker serves its stage's: pass its ``worker_fingerprint(...)["layers"]``)."""
-    return digest(canonical_lines(tensors, tp_rank=tp_rank, tp_size=tp_size, layers=layers))
+    worker serves its stage's: pass its ``worker_fingerprint(...)["layers"]``). Raises
+    ``FingerprintError`` when no tensor is a k/v scale of a numbered layer (there)."""
+    lines = canonical_lines(tensors, tp_rank=tp_rank, tp_size=tp_size, layers=layers)
+    if not lines:
+        raise FingerprintError(
+            "kvscale: none of these tensors is a k/v scale of a numbered attention layer"
+            + (f" among layers {sorted(layers)}" if layers is not None else "")
+            + ": a fingerprint over them would check nothing. Pass the scale tensors the "
+            "trainer sends (names ending in k_scale / v_scale / kv_scale)."
+        )
+    return digest(lines)

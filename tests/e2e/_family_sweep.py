@@ -30,13 +30,21 @@ from kvscale_testing.families import (
 )
 from kvscale_testing.probe import FP8_CPU_REFUSAL, LayerScales, layer_scales, vllm_engine
 
+#: The fingerprint each kvscale engine of the sweep reported (family -> its answer).
+FINGERPRINTS: dict[str, dict] = {}
+
 
 def served(ckpt: Path, quantization: str | None) -> dict[str, LayerScales] | str:
     """layer name -> what an engine on ``ckpt`` serves there; or, when the engine does not
-    start for another reason than this CPU's FP8 refusal, the error."""
+    start for another reason than this CPU's FP8 refusal, the error. A kvscale engine that
+    started also reports its fingerprint (``FINGERPRINTS``)."""
+    from kvscale_plugin.hosts.vllm.live import worker_fingerprint
+
     try:
         with vllm_engine(ckpt, quantization=quantization, kv_cache_dtype="fp8") as llm:
             scales = layer_scales(llm)
+            if quantization:
+                [FINGERPRINTS[ckpt.name]] = llm.collective_rpc(worker_fingerprint)
     except Exception as exc:  # noqa: BLE001 - what stock does on the checkpoint is the datum
         scales = getattr(exc, "kvscale_loaded_scales", None)
         if scales is None or FP8_CPU_REFUSAL not in str(exc):
@@ -64,12 +72,35 @@ def check_family(family: Family, root: Path) -> None:
             f"the checkpoint holds {pair}"
         )
     _check_inspect(family, ckpt, stored, engine)
+    _check_fingerprint(family, ckpt)
     stock = served(ckpt, None)
     if isinstance(stock, dict):
         stock = _pairs(stock)  # stock started: kvscale serves at least what it serves
         for name, value in stock.items():
             if value != (1.0,) * 4:
                 assert ours.get(name) == pytest.approx(value, rel=1e-6), (family.name, name)
+
+
+def _check_fingerprint(family: Family, ckpt: Path) -> None:
+    """Where the engine started (an FP8 CPU): its fingerprint covers every attention layer
+    the checkpoint has scales for and equals the trainer side's over the checkpoint's own
+    tensors (``scale_fingerprint``), never over no layer."""
+    from safetensors.torch import load_file
+
+    from kvscale_plugin.fingerprint import scale_fingerprint, scale_kinds
+
+    fp = FINGERPRINTS.pop(ckpt.name, None)
+    if fp is None:
+        return  # the FP8 cache was refused here after loading: no engine to ask
+    tensors = {}
+    for path in sorted(ckpt.glob("*.safetensors")):
+        tensors.update({n: t for n, t in load_file(str(path)).items() if scale_kinds(n)})
+    assert fp["fingerprint"] is not None and fp["layers"], (family.name, fp)
+    assert fp["consistent"], (family.name, fp)
+    want = scale_fingerprint(tensors, layers=fp["layers"])
+    assert fp["fingerprint"] == want, (family.name, fp, sorted(tensors))
+    # every layer the checkpoint has scales for is covered (the engine's own numbering)
+    assert set(stored_scales(ckpt)) <= set(fp["layers"]), (family.name, fp["layers"])
 
 
 def _check_inspect(

@@ -32,7 +32,7 @@ def test_canonical_lines_by_hand():
         f"1 v {_hex(2.5)}",
     ]
     expected = hashlib.sha256(
-        ("kvscale-fp1\n" + "".join(f"{line}\n" for line in canonical_lines(tensors))).encode()
+        ("kvscale-fp2\n" + "".join(f"{line}\n" for line in canonical_lines(tensors))).encode()
     ).hexdigest()[:16]
     assert scale_fingerprint(tensors) == expected == digest(canonical_lines(tensors))
     # A list of pairs (what a trainer hands load_weights) gives the same.
@@ -72,3 +72,32 @@ def test_layers_filter_is_a_pipeline_stage():
     }
     assert scale_fingerprint(tensors, layers=[2, 3]) == scale_fingerprint(stage)
     assert scale_fingerprint(tensors, layers=[2, 3]) != scale_fingerprint(tensors)
+
+
+def test_every_naming_the_engines_take_and_every_family_numbering():
+    from kvscale_plugin.fingerprint import layer_index
+
+    same = {
+        "transformer.h.2.attn.k_scale": torch.tensor(3.5),  # GPT-BigCode, GPT-J
+        "gpt_neox.layers.2.attention.v_scale": torch.tensor(2.5),  # GPT-NeoX
+    }
+    assert canonical_lines(same) == [f"2 k {_hex(3.5)}", f"2 v {_hex(2.5)}"]
+    assert layer_index("model.language_model.layers.5.self_attn.attn") == 5
+    assert layer_index("model.mtp.layers.0.self_attn.k_scale") is None  # a draft's own
+    # k_proj.output_scale, and the legacy kv_scale for k and v
+    other = {
+        "model.layers.2.self_attn.k_proj.output_scale": torch.tensor(3.5),
+        "model.layers.2.self_attn.v_proj.output_scale": torch.tensor(2.5),
+    }
+    assert canonical_lines(other) == canonical_lines(same)
+    legacy = {"model.layers.4.self_attn.kv_scale": torch.tensor(1.5)}
+    assert canonical_lines(legacy) == [f"4 k {_hex(1.5)}", f"4 v {_hex(1.5)}"]
+
+
+def test_a_fingerprint_over_no_layer_is_an_error():
+    from kvscale_plugin.fingerprint import FingerprintError
+
+    with pytest.raises(FingerprintError, match="would check nothing"):
+        scale_fingerprint({"model.embed_tokens.weight": torch.ones(2)})
+    with pytest.raises(FingerprintError, match=r"among layers \[7\]"):
+        scale_fingerprint({"model.layers.0.self_attn.k_scale": torch.tensor(1.0)}, layers=[7])

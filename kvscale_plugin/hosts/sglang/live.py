@@ -34,10 +34,9 @@ import torch
 
 from kvscale_plugin import livecopies
 from kvscale_plugin._log import shorten, warn_once
-from kvscale_plugin.fingerprint import digest
+from kvscale_plugin.fingerprint import digest, layer_index
 from kvscale_plugin.livecopies import Copy, LiveState
 from kvscale_plugin.loadcycle import LayerRecord, layer_record
-from kvscale_plugin.names import main_stack_index
 from kvscale_plugin.scales import ResolvedScales
 
 logger = logging.getLogger("kvscale_plugin")
@@ -130,7 +129,7 @@ def fingerprint_lines(attention: Iterable[torch.nn.Module]) -> list[str]:
         record = layer_record(layer)
         if record is None or record.draft or record.target is not None:
             continue
-        index = main_stack_index(record.name)
+        index = layer_index(record.name)
         if index is not None:
             chosen.append((index, layer))
     return livecopies.fingerprint_lines(chosen, COPIES, 2.0 if _fnuz() else 1.0)
@@ -156,7 +155,7 @@ def server_info(cfg: Any) -> dict[str, Any]:
     tp_rank, tp_size = _tp()
     live = state(cfg)
     return {
-        "fingerprint": digest(lines),
+        "fingerprint": digest(lines) if lines else None,  # None: no layer (fails closed)
         "updates": live.updates,
         "checks": live.checks,
         "layers": sorted({int(line.split(" ", 1)[0]) for line in lines if line[0] != "!"}),
@@ -181,7 +180,7 @@ def after_cycle(cfg: Any, *, took_scales: bool) -> None:
         logger.info(
             "kvscale: %s: KV scales in force have fingerprint %s (update %d, %d layers).",
             label,
-            digest(fingerprint_lines(attention)),
+            digest(lines) if (lines := fingerprint_lines(attention)) else "(none: no layer)",
             live.updates,
             len(attention),
         )

@@ -21,7 +21,7 @@ import torch
 
 from kvscale_plugin import livecopies
 from kvscale_plugin._log import warn_once
-from kvscale_plugin.fingerprint import digest
+from kvscale_plugin.fingerprint import digest, layer_index
 from kvscale_plugin.hosts.vllm.layers import (
     EngineConfig,
     engine_layers,
@@ -31,7 +31,6 @@ from kvscale_plugin.hosts.vllm.layers import (
 from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.livecopies import Copy, LiveState
 from kvscale_plugin.loadcycle import layer_record
-from kvscale_plugin.names import main_stack_index
 
 logger = logging.getLogger("kvscale_plugin")
 
@@ -108,7 +107,7 @@ def fingerprint_lines(layers: Iterable[torch.nn.Module]) -> list[str]:
     chosen = []
     for layer in layers:
         record = layer_record(layer)
-        index = main_stack_index(getattr(layer, "layer_name", ""))
+        index = layer_index(getattr(layer, "layer_name", ""))
         if index is None or (record is not None and record.draft):
             continue
         if sharing_target(layer) is not None:
@@ -117,9 +116,11 @@ def fingerprint_lines(layers: Iterable[torch.nn.Module]) -> list[str]:
     return livecopies.fingerprint_lines(chosen, COPIES, 2.0 if fnuz() else 1.0)
 
 
-def layers_fingerprint(layers: Iterable[torch.nn.Module]) -> str:
-    """The fingerprint of what ``layers`` serve (compare ``fingerprint.scale_fingerprint``)."""
-    return digest(fingerprint_lines(layers))
+def layers_fingerprint(layers: Iterable[torch.nn.Module]) -> str | None:
+    """The fingerprint of what ``layers`` serve (compare ``fingerprint.scale_fingerprint``);
+    None when it covers no attention layer (it would check nothing)."""
+    lines = fingerprint_lines(layers)
+    return digest(lines) if lines else None
 
 
 def worker_fingerprint(worker: Any) -> dict[str, Any]:
@@ -137,7 +138,8 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
     lines = fingerprint_lines(layers)
     return {
-        "fingerprint": digest(lines),
+        # None: no attention layer here serves scales to fingerprint (fails closed)
+        "fingerprint": digest(lines) if lines else None,
         "updates": sum(state(c).updates for c in configs.values()),
         "layers": sorted({int(line.split(" ", 1)[0]) for line in lines if line[0] != "!"}),
         "consistent": not any(line.startswith("!") for line in lines),
