@@ -5,7 +5,7 @@ and a trainer's sync through ``collective_rpc``: a scales-only ``model.load_weig
 and a corrupt update. Generates nothing (so it runs on a CPU whose AVX2 kernels fail
 tensor-parallel prompts). Prints one ``RESULT`` JSON line.
 
-argv: checkpoint dir, TP size, KV cache dtype.
+argv: checkpoint dir, TP size, KV cache dtype[, a checkpoint with a corrupt scale to reload].
 """
 
 import json
@@ -60,7 +60,14 @@ if __name__ == "__main__":
         result["refused"] = f"{type(exc).__name__}: {exc}"
         result["refused_is_corrupt"] = isinstance(exc, CorruptScaleError)
     # vLLM 0.32's multiprocess executor raises at the first failing rank and leaves the
-    # later ranks' answers queued for the next call; kvscale raises on the last rank only,
-    # so the channel still answers right.
+    # later ranks' answers queued for the next call; every rank raises, and kvscale reads
+    # the other ranks' answers to the refused call, so the channel still answers right.
     result["after_refused"] = llm.collective_rpc(worker_fingerprint)
+    if len(sys.argv) > 4:  # a reload of a checkpoint with a corrupt scale: the same
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": sys.argv[4]})
+            result["reload_refused"] = None
+        except Exception as exc:  # noqa: BLE001 - what reaches the caller across processes
+            result["reload_refused"] = f"{type(exc).__name__}: {exc}"
+        result["after_reload_refused"] = llm.collective_rpc(worker_fingerprint)
     print("RESULT " + json.dumps(result), flush=True)

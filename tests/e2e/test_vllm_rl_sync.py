@@ -266,8 +266,15 @@ def test_tensor_parallel_sync_through_worker_processes(tiny, tmp_path):
     the trainer's for that rank; a corrupt update is refused (vLLM's multiprocess executor
     hands the caller a plain ``Exception`` carrying kvscale's message)."""
     ckpt = tiny("rl-start", scales=START)
+    bad = tiny("rl-reload-nan", scales={0: (float("nan"), 2.0), 1: (4.75, 2.5)})
     r = run_script(
-        HERE / "_multiproc_sync.py", str(ckpt), "2", KV_DTYPE, tmp_path=tmp_path, timeout=400
+        HERE / "_multiproc_sync.py",
+        str(ckpt),
+        "2",
+        KV_DTYPE,
+        str(bad),
+        tmp_path=tmp_path,
+        timeout=400,
     )
     new = {0: (6.0, 7.0), 1: (8.0, 9.0)}
     assert [fp["tp_rank"] for fp in r["start"]] == [0, 1]
@@ -289,6 +296,10 @@ def test_tensor_parallel_sync_through_worker_processes(tiny, tmp_path):
     if CPU_FP8:  # every rank raised; the caller reads one refusal, the next call its own
         assert r["refused"] is not None
         assert "model.layers.1.self_attn.v_scale: NaN" in r["refused"]
+        # A refused reload_weights (TP=2): the same, every rank keeps what it served.
+        assert "model.layers.0.self_attn.k_scale: NaN" in r["reload_refused"]
+        assert r["after_reload_refused"] == r["after_refused"]
     else:
         assert r["refused"] is None
+        assert r["reload_refused"] is None  # bf16: warned, the reload's weights taken
     print(f"TP=2 scales-only update through collective_rpc: {r['ms']:.1f} ms")
