@@ -27,6 +27,7 @@ import pytest
 import torch
 from _run_script import HERE, run_script
 from kvscale_testing.checkpoints import reference_token_ids
+from kvscale_testing.engines import greedy_with_logprobs
 from kvscale_testing.probe import vllm_engine
 from kvscale_testing.skips import CPU_FP8, KV_DTYPE, follows_cpu_fp8, needs_avx512_cpu_for_tp
 
@@ -47,14 +48,7 @@ def _tensors(scales: dict[int, tuple[float, float]]) -> list[tuple[str, torch.Te
     ]
 
 
-def _generate(llm, prompt: list[int]):
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
-    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    completion = out.outputs[0]
-    logprobs = [next(iter(step.values())).logprob for step in completion.logprobs]
-    return list(completion.token_ids), logprobs, out.num_cached_tokens
+_generate = greedy_with_logprobs
 
 
 @follows_cpu_fp8

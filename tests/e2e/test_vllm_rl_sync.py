@@ -15,7 +15,7 @@ import pytest
 import torch
 from _run_script import HERE, run_script
 from kvscale_testing.checkpoints import reference_token_ids
-from kvscale_testing.engines import attention_layers, reload_weights
+from kvscale_testing.engines import attention_layers, greedy_with_logprobs, reload_weights
 from kvscale_testing.probe import layer_scales, vllm_engine
 from kvscale_testing.skips import CPU_FP8, KV_DTYPE, follows_cpu_fp8
 
@@ -207,14 +207,7 @@ def test_engine_sync_paths_fingerprint_and_served_copies(tiny, kvscale_warnings)
     assert not kvscale_warnings("the check of the served KV scales failed")
 
 
-def _generate(llm, prompt: list[int]):
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
-    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    completion = out.outputs[0]
-    logprobs = [next(iter(step.values())).logprob for step in completion.logprobs]
-    return list(completion.token_ids), logprobs, out.num_cached_tokens
+_generate = greedy_with_logprobs
 
 
 @follows_cpu_fp8

@@ -88,3 +88,15 @@ def vec_layout_dtype() -> str:
     kvscale's CPU write serves: bf16, except on a CPU with AMX, where vLLM stores a bf16
     model's cache in its AMX layout (vLLM's own write and kernels there) -- fp16 then."""
     return "float16" if torch.cpu._is_amx_tile_supported() else "bfloat16"
+
+
+def greedy_with_logprobs(llm: Any, prompt: list[int]) -> tuple[list[int], list[float], int]:
+    """Six greedy tokens after ``prompt`` (token ids): the tokens, their log-probs, and how
+    many prompt tokens the prefix cache served."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    completion = out.outputs[0]
+    logprobs = [next(iter(step.values())).logprob for step in completion.logprobs]
+    return list(completion.token_ids), logprobs, out.num_cached_tokens
