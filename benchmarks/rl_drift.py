@@ -219,6 +219,7 @@ def run_lr(
             "train_clipped_s0": drift.clipped if drift else 0.0,
             "verdict": drift.verdict if drift else "-- (step 0: the scales in force are these)",
             "refresh": bool(drift.refresh) if drift else False,
+            "eval_verdict": ev_drift.verdict,
             "gap_mean": {arm: float(gap[arm][real].mean()) for arm in ARMS},
             "gap_p99": {arm: float(torch.quantile(gap[arm][real], 0.99)) for arm in ARMS},
         }
