@@ -32,6 +32,7 @@ trainer's forward, as a loop would call it).
     python benchmarks/rl_drift.py                   # the default sweep (< 30 min, 2 cores)
     python benchmarks/rl_drift.py --quick           # ~2-minute smoke run
     python benchmarks/rl_drift.py --lrs 0,1e-3 --steps 4 --json out.json --plot gap.png
+    python benchmarks/rl_drift.py --from-json out.json --plot gap.png   # table + plot again
 
 The vLLM engine arm (a ``-q kvscale`` engine with an FP8 cache synced through
 ``model.load_weights``) is not built: the output says so.
@@ -272,22 +273,39 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Left: mean gap per arm vs amax drift; right: (b)-(c) and (a)-(c) with 95% intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     x = [r["amax_drift"] for r in rows]
     for arm, marker in zip(ARMS, "os^vx", strict=True):
-        ax.scatter(x, [r["gap_mean"][arm] for r in rows], marker=marker, label=ARM_NAMES[arm])
-    ax.set_xlabel("K/V amax drift (max over layers of amax / step-0 amax, eval set)")
-    ax.set_ylabel("mean |log-prob gap| vs unquantized")
-    ax.set_yscale("log")
-    ax.set_title("SmolLM2-135M, simulated FP8 KV cache, AdamW on k/v projections")
-    ax.legend(fontsize=8)
+        left.scatter(x, [r["gap_mean"][arm] for r in rows], marker=marker, label=ARM_NAMES[arm])
+    left.set_xlabel("K/V amax drift (max over layers of amax / step-0 amax, eval set)")
+    left.set_ylabel("mean |log-prob gap| vs unquantized (nats/token)")
+    left.set_title("gap per arm")
+    left.legend(fontsize=8)
+    for key, label, shift in (
+        ("b_minus_c", "(b) - (c)", -0.004),
+        ("a_minus_c", "(a) - (c)", 0.004),
+    ):
+        mean = [r[key][0] for r in rows]
+        err = [[r[key][0] - r[key][1] for r in rows], [r[key][2] - r[key][0] for r in rows]]
+        right.errorbar(
+            [v + shift for v in x], mean, yerr=err, fmt="o", ms=3, capsize=2, label=label
+        )
+    right.axhline(0, color="grey", lw=0.8)
+    right.set_xlabel("K/V amax drift")
+    right.set_ylabel("paired difference of mean gap, 95% bootstrap interval")
+    right.set_title("above 0: fresh scales (c) better")
+    right.legend(fontsize=8)
+    fig.suptitle(
+        "SmolLM2-135M float32, simulated FP8 KV cache, AdamW on k/v projections", fontsize=10
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="~2-minute smoke run")
     p.add_argument("--json", type=Path, help="write every step's numbers here")
     p.add_argument("--plot", type=Path, help="gap vs drift per arm (PNG, needs matplotlib)")
+    p.add_argument("--from-json", type=Path, help="no run: the table and plot of a --json file")
     cfg = p.parse_args(argv)
+    if cfg.from_json:
+        rows = json.loads(cfg.from_json.read_text())["rows"]
+        print(table(rows))
+        if cfg.plot:
+            plot(rows, cfg.plot)
+        return 0
     if cfg.quick:
         cfg.lrs, cfg.steps, cfg.batch, cfg.seq, cfg.eval, cfg.boot = "3e-3", 2, 2, 48, 4, 200
     torch.set_num_threads(cfg.threads)
