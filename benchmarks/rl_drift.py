@@ -136,6 +136,12 @@ def near_range(model: Any, factors: list[int]) -> Iterator[None]:
                 layer.self_attn.q_proj.weight.mul_(f)
 
 
+def layer_names(scales: dict[str, torch.Tensor]) -> list[str]:
+    """The attention modules of ``scales``, in layer order."""
+    names = {n.rpartition(".")[0] for n in scales}
+    return sorted(names, key=lambda n: int(n.split(".")[2]))
+
+
 def layer_k_amax(rec: Any) -> list[float]:
     names = sorted(rec.k, key=lambda n: int(n.split(".")[2]))
     return [float(rec.k[n].max()) for n in names]
@@ -180,10 +186,19 @@ def run_lr(
             ones = {n: torch.ones_like(t) for n, t in fresh.items()}
             factors = [2 ** math.floor(math.log2(448 / a)) for a in layer_k_amax(rec)]
         scales = {"a": ones, "b": s0, "c": fresh, "d": prev if prev is not None else s0}
+        # The variant's K under scale 1.0 clips where the model's K exceeds 448 / F_l.
+        near = {
+            f"{n}.{kind}_scale": torch.tensor([1.0 / f if kind == "k" else 1.0])
+            for n, f in zip(layer_names(s0), factors, strict=True)
+            for kind in ("k", "v")
+        }
         with torch.no_grad():
-            with record_kv_scales(model, in_force=s0) as ev_rec:
+            with (
+                record_kv_scales(model, in_force=s0) as ev_rec,
+                record_kv_scales(model, in_force=near) as near_rec,
+            ):
                 ref = token_logprobs(model, ev)
-            ev_drift = ev_rec.drift()
+            ev_drift, near_drift = ev_rec.drift(), near_rec.drift()
             if not amax0:
                 amax0 = {n: (ev_rec.k[n], ev_rec.v[n]) for n in ev_rec.k}
             lp: dict[str, torch.Tensor] = {}
@@ -216,7 +231,11 @@ def run_lr(
             "eval_max_ratio_s0": ev_drift.max_ratio,
             "eval_clipped_s0": ev_drift.clipped,
             "eval_max_clipped_s0": ev_drift.max_clipped,
+            "near_k_clipped": sum(sum(x.k.clipped_counts) for x in near_drift.layers)
+            / sum(x.k.elements_per_head * len(x.k.clipped_counts) for x in near_drift.layers),
+            "near_k_max_ratio": max(x.k.ratio for x in near_drift.layers),
             "train_max_ratio_s0": drift.max_ratio if drift else 1.0,
+            "train_max_clipped_s0": drift.max_clipped if drift else 0.0,
             "train_clipped_s0": drift.clipped if drift else 0.0,
             "verdict": drift.verdict if drift else "-- (step 0: the scales in force are these)",
             "refresh": bool(drift.refresh) if drift else False,
@@ -224,9 +243,9 @@ def run_lr(
             "gap_mean": {arm: float(gap[arm][real].mean()) for arm in ARMS},
             "gap_p99": {arm: float(torch.quantile(gap[arm][real], 0.99)) for arm in ARMS},
         }
-        for other in ("b", "a", "d"):
-            mean, lo, hi = bootstrap(gap[other] - gap["c"], mask, cfg.boot, seed=step)
-            row[f"{other}_minus_c"] = [mean, lo, hi]
+        for first, second in (("b", "c"), ("a", "c"), ("d", "c"), ("b", "d")):
+            mean, lo, hi = bootstrap(gap[first] - gap[second], mask, cfg.boot, seed=step)
+            row[f"{first}_minus_{second}"] = [mean, lo, hi]
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         say(step_line(row))
@@ -249,25 +268,31 @@ def step_line(r: dict[str, Any]) -> str:
         f"lr {r['lr']:<7g} step {r['step']:>2}  loss {r['loss']:.3f}  amax drift "
         f"{r['amax_drift']:.3f}  S0 ratio {r['eval_max_ratio_s0']:.3f} clips "
         f"{r['eval_clipped_s0'] * 100:.4f}%  gap a {g['a']:.4f} b {g['b']:.4f} c {g['c']:.4f} "
-        f"d {g['d']:.4f} a_near {g['a_near']:.4f}  b-c {_ci(r['b_minus_c'])}  a-c "
-        f"{_ci(r['a_minus_c'])}  ({r['seconds']:.0f}s)  monitor: {r['verdict']}"
+        f"d {g['d']:.4f} a_near {g['a_near']:.4f} (K clips {r['near_k_clipped'] * 100:.4f}%)  "
+        f"b-c {_ci(r['b_minus_c'])}  a-c {_ci(r['a_minus_c'])}  b-d {_ci(r['b_minus_d'])}  "
+        f"({r['seconds']:.0f}s)  monitor: {r['verdict']}"
     )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| lr (k/v) | step | amax drift | S0: max ratio / clipped (eval) | monitor (train batch) "
-        "| gap mean a / b / c / d / a-near | gap p99 b / c | (b)-(c) [95%] | (a)-(c) [95%] |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| lr (k/v) | step | loss | amax drift | S0 on eval: max ratio / clipped | monitor "
+        "(train batch): worst layer clipped, verdict | gap mean a / b / c / d / a-near "
+        "| a-near K clipped | gap p99 b / c | (b)-(c) [95%] | (a)-(c) [95%] | (b)-(d) [95%] |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         g, p = r["gap_mean"], r["gap_p99"]
+        monitor = "--" if r["step"] == 0 else r["verdict"].split(":")[0]
+        worst = f"{r.get('train_max_clipped_s0', 0) * 100:.3f}%, " if r["step"] else ""
         out.append(
-            f"| {r['lr']:g} | {r['step']} | {r['amax_drift']:.3f} | "
-            f"{r['eval_max_ratio_s0']:.3f} / {r['eval_clipped_s0'] * 100:.4f}% | "
-            f"{r['verdict'].split(':')[0]} | "
+            f"| {r['lr']:g} | {r['step']} | {r['loss']:.2f} | {r['amax_drift']:.3f} | "
+            f"{r['eval_max_ratio_s0']:.2f} / {r['eval_clipped_s0'] * 100:.4f}% | "
+            f"{worst}{monitor} | "
             + " / ".join(f"{g[a]:.4f}" for a in ARMS)
-            + f" | {p['b']:.3f} / {p['c']:.3f} | {_ci(r['b_minus_c'])} | {_ci(r['a_minus_c'])} |"
+            + f" | {r.get('near_k_clipped', float('nan')) * 100:.4f}% "
+            f"| {p['b']:.3f} / {p['c']:.3f} | {_ci(r['b_minus_c'])} | {_ci(r['a_minus_c'])} "
+            f"| {_ci(r['b_minus_d']) if 'b_minus_d' in r else 'n/a'} |"
         )
     return "\n".join(out)
 
@@ -287,10 +312,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     left.set_ylabel("mean |log-prob gap| vs unquantized (nats/token)")
     left.set_title("gap per arm")
     left.legend(fontsize=8)
-    for key, label, shift in (
-        ("b_minus_c", "(b) - (c)", -0.004),
-        ("a_minus_c", "(a) - (c)", 0.004),
-    ):
+    pairs = (("b_minus_c", "(b) - (c)", -0.006), ("a_minus_c", "(a) - (c)", 0.0))
+    for key, label, shift in (*pairs, ("b_minus_d", "(b) - (d)", 0.006)):
+        if key not in rows[0]:
+            continue
         mean = [r[key][0] for r in rows]
         err = [[r[key][0] - r[key][1] for r in rows], [r[key][2] - r[key][0] for r in rows]]
         right.errorbar(
@@ -299,7 +324,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     right.axhline(0, color="grey", lw=0.8)
     right.set_xlabel("K/V amax drift")
     right.set_ylabel("paired difference of mean gap, 95% bootstrap interval")
-    right.set_title("above 0: fresh scales (c) better")
+    right.set_title("above 0: the second arm better than the first")
     right.legend(fontsize=8)
     fig.suptitle(
         "SmolLM2-135M float32, simulated FP8 KV cache, AdamW on k/v projections", fontsize=10
@@ -311,7 +336,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="a checkpoint dir (default: SmolLM2-135M)")
-    p.add_argument("--lrs", default="0,1e-3,1e-2,3e-2", help="AdamW LRs of k/v projections")
+    p.add_argument("--lrs", default="0,1e-3,3e-3,1e-2,3e-2", help="AdamW LRs of k/v projections")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per LR")
     p.add_argument("--batch", type=int, default=8, help="training texts per step")
     p.add_argument("--seq", type=int, default=96, help="tokens per text (train and eval)")
