@@ -30,7 +30,7 @@ monitor's verdict (``record_kv_scales(model, in_force=step-0 scales).drift()`` o
 trainer's forward, as a loop would call it).
 
     python benchmarks/rl_drift.py                   # the default sweep (< 30 min, 2 cores)
-    python benchmarks/rl_drift.py --quick           # ~2-minute smoke run
+    python benchmarks/rl_drift.py --quick           # smoke run (~15 s after loading)
     python benchmarks/rl_drift.py --lrs 0,1e-3 --steps 4 --json out.json --plot gap.png
     python benchmarks/rl_drift.py --from-json out.json --plot gap.png   # table + plot again
 
@@ -355,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheme", default="tensor", choices=("tensor", "attn_head"))
     p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    p.add_argument("--quick", action="store_true", help="~2-minute smoke run")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 lr x 2 steps, small batches (~15 s)"
+    )
     p.add_argument("--json", type=Path, help="write every step's numbers here")
     p.add_argument("--plot", type=Path, help="gap vs drift per arm (PNG, needs matplotlib)")
     p.add_argument("--from-json", type=Path, help="no run: the table and plot of a --json file")
