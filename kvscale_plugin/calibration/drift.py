@@ -148,8 +148,10 @@ def verdict_of(layers: list[LayerDrift], thresholds: DriftThresholds) -> tuple[b
             f"(amax ratio {worst.ratio:.2f}){more}"
         )
         return True, line
-    lname, lkind, low = min(kinds, key=lambda t: t[2].ratio)
-    if low.ratio < thresholds.min_ratio:
+    # A K or V that is all zeros (amax 0) has nothing to store: no scale is too large.
+    live = [t for t in kinds if t[2].ratio > 0] or kinds
+    lname, lkind, low = min(live, key=lambda t: t[2].ratio)
+    if 0 < low.ratio < thresholds.min_ratio:
         return True, (
             f"refresh: {layer_label(lname)} {lkind} amax ratio {low.ratio:.3f} < "
             f"{thresholds.min_ratio:.3g} (scale too large for what the layer now stores)"

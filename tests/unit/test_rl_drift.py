@@ -18,7 +18,7 @@ from kvscale_testing.trainer_forward import (
 )
 
 from kvscale_plugin import calibration as cal
-from kvscale_plugin.calibration.drift import DriftThresholds, verdict_of
+from kvscale_plugin.calibration.drift import DriftThresholds, KindDrift, LayerDrift, verdict_of
 from kvscale_plugin.kernels.reference import quantize_e4m3_reference
 
 MAX_LEN = 64
@@ -75,6 +75,11 @@ def test_known_clipped_fraction_on_hand_built_keys_and_values(trainer):
     assert layer.v.ratios == pytest.approx([500 / 448, 500 / 896])
     assert report.refresh and report.verdict.startswith("refresh: layer 1 k clips 6.25%")
     # Above the threshold only when the threshold is below the fraction.
+    # A layer whose V is all zeros stores nothing: no "scale too large" for it.
+    dead = KindDrift([0.0, 0.0], [0, 0], 8)
+    assert verdict_of(
+        [LayerDrift("model.layers.2.self_attn", layer.k, dead)], DriftThresholds(1.0)
+    )[1].startswith("keep: max amax ratio 1.34, at most 6.25% clips")
     lenient = DriftThresholds(max_clipped=0.1)
     assert verdict_of(report.layers, lenient)[0] is False
     assert "at most 6.25% clips" in verdict_of(report.layers, lenient)[1]
