@@ -117,6 +117,12 @@ def test_forward_and_backward_are_unchanged(ckpt, attn):
     assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
     scales = rec.scales("attn_head")
     assert len(scales) == 2 * len(LAYERS) and all((t > 0).all() for t in scales.values())
+    # The drift monitor (issue #54) changes nothing either, with elements clipping.
+    with cal.record_kv_scales(model, in_force={n: t * 0.5 for n, t in scales.items()}) as mon:
+        logits, grads = step()
+    assert mon.drift().refresh
+    assert torch.equal(logits, plain_logits)
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
     # Recording stopped with the context: transformers' own dispatch is back.
     from transformers.modeling_utils import AttentionInterface
 
