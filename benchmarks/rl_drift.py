@@ -219,6 +219,10 @@ def run_lr(
                     lp[arm] = token_logprobs(model, ev)
             with near_range(model, factors), simulate_fp8_cache(model, ones):
                 lp["a_near"] = token_logprobs(model, ev)
+            if step == 0:  # the variant is the model, exactly, until its K is quantized
+                with near_range(model, factors):
+                    exact = torch.equal(token_logprobs(model, ev), ref)
+                say(f"#   near-range variant: unquantized log-probs bit-identical: {exact}")
         gap = {arm: (lp[arm] - ref).abs() for arm in ARMS}
         real = mask.bool()
         row: dict[str, Any] = {
