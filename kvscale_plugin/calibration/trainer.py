@@ -100,7 +100,9 @@ class KVScaleRecorder(KVRecorder):
         """How the recorded K / V fit the scales in force (``in_force``): per layer the
         amax ratio and clipped fraction, ``refresh`` and a one-line ``verdict`` (see
         ``drift.DriftThresholds``). With ``group``, a collective like ``scales``: the
-        maxima max-reduced, the counts summed over the ranks."""
+        maxima max-reduced, the counts summed over the ranks, once: call it after the
+        forwards (a later call returns the same report; forwards after it are not
+        reduced again -- record them in a new context)."""
         if self._limits is None:
             raise CalibrationError(
                 "drift() needs the scales in force: record_kv_scales(model, in_force=scales)"
