@@ -41,9 +41,9 @@ COMPAT_VLLM := 0.30.0 0.31.0
 # a CPU with AMX, vLLM 0.32's CPU kernels use it without asking, and a fresh engine process
 # dies with SIGILL.
 AMX_SITE := $(CURDIR)/tests/support/amx_site
-test test-fast test-sglang test-compat test-without-fp8-cpu llmcompressor-checkpoints eval bench bench-serve bench-sync: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
+test test-fast test-sglang test-compat test-without-fp8-cpu llmcompressor-checkpoints eval bench bench-serve bench-sync bench-rl: export PYTHONPATH := $(AMX_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: check-vllm venv envs test test-fast test-sglang test-compat test-without-fp8-cpu lint format bench bench-serve bench-sync eval clean llmcompressor-checkpoints
+.PHONY: check-vllm venv envs test test-fast test-sglang test-compat test-without-fp8-cpu lint format bench bench-serve bench-sync bench-rl eval clean llmcompressor-checkpoints
 
 venv: $(VENV)/.kvscale-installed
 
@@ -175,6 +175,12 @@ bench: venv
 # collective_rpc beside a full weights update (SmolLM2-135M, multiprocess engine).
 bench-sync: venv
 	$(PY) benchmarks/rl_sync.py $(ARGS)
+
+# When fresh FP8 KV scales matter in an RL loop: AdamW steps on SmolLM2-135M's k/v
+# projections at a few learning rates, a simulated FP8 cache under four scale arms, the
+# drift monitor's verdict each step (any CPU; < 30 min; ARGS="--quick" for a smoke run).
+bench-rl: venv
+	$(PY) benchmarks/rl_drift.py $(ARGS)
 
 # A server under load (vllm serve + vllm bench serve) with a bf16, a stock FP8 and a kvscale
 # FP8 cache on SmolLM2-135M, rounds alternated; e.g. make bench-serve ARGS="--budgets 64".

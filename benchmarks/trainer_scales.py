@@ -4,6 +4,7 @@ same forward without it, in one run.
     python benchmarks/trainer_scales.py                  # tiny Llama (built in a temp dir)
     python benchmarks/trainer_scales.py --model DIR      # e.g. build/real-model/SmolLM2-...
     python benchmarks/trainer_scales.py --backward       # forward + backward (training step)
+    python benchmarks/trainer_scales.py --in-force       # with the drift monitor (issue #54)
 
 The batch is what an old-log-prob pass sees: B sequences of random tokens padded to L
 (lengths drawn between L/2 and L, left padding, ``attention_mask`` and ``position_ids``
@@ -13,6 +14,9 @@ shared that ratio is noisier than 5%, so the recording's own work is also timed 
 one forward's attention calls (keys, values, masks) captured, then replayed through the
 recorder (``KVRecorder._see``: the mask read and the per-layer reductions), as a share
 of the plain step. ``scales()``, called once per step after the forwards, is timed too.
+With ``--in-force`` the recorded forwards also run the drift monitor
+(``record_kv_scales(model, in_force=...)``: the clipped elements counted against scales
+half the batch's own, so that some clip) and ``drift()`` is timed instead of ``scales()``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvscale_plugin.calibration import KVRecorder, record_kv_scales, weights_dtype  # noqa: E402
+from kvscale_plugin.calibration import (  # noqa: E402
+    KVRecorder,
+    KVScaleRecorder,
+    record_kv_scales,
+    weights_dtype,
+)
 
 
 def load(model_dir: Path, dtype: str, attn: str) -> Any:
@@ -70,13 +79,15 @@ class _Capture(KVRecorder):
             self.calls.append((module, key.detach(), value.detach(), mask))
 
 
-def replay_seconds(model: Any, inputs: dict[str, torch.Tensor], reps: int) -> float:
+def replay_seconds(
+    model: Any, inputs: dict[str, torch.Tensor], reps: int, in_force: Any = None
+) -> float:
     """Median seconds the recorder spends on one forward's attention calls."""
     with _Capture(model) as cap, torch.no_grad():
         model(**inputs, use_cache=False)
     times = []
     for _ in range(reps):
-        rec = KVRecorder(model)
+        rec = KVRecorder(model) if in_force is None else KVScaleRecorder(model, in_force=in_force)
         t0 = time.perf_counter()
         for call in cap.calls:
             rec._see(*call)
@@ -93,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", help="auto (stored weights' dtype), float32, ...")
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, ...)")
     p.add_argument("--backward", action="store_true", help="time forward + backward")
+    p.add_argument("--in-force", action="store_true", help="with the drift monitor")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
     if args.threads:
@@ -113,12 +125,17 @@ def main(argv: list[str] | None = None) -> None:
     model.train(args.backward)
     inputs = batch(model.config.vocab_size, args.batch, args.seq)
     real = int(inputs["attention_mask"].sum())
+    in_force = None
+    if args.in_force:
+        with record_kv_scales(model) as rec, torch.no_grad():
+            model(**inputs, use_cache=False)
+        in_force = {n: t * 0.5 for n, t in rec.scales("tensor").items()}
 
     def step(recorded: bool) -> float:
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         with (
-            record_kv_scales(model) if recorded else nullcontext(),
+            record_kv_scales(model, in_force=in_force) if recorded else nullcontext(),
             torch.set_grad_enabled(args.backward),
         ):
             logits = model(**inputs, use_cache=False).logits
@@ -133,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         for recorded in (False, True) if r % 2 == 0 else (True, False):
             times[recorded].append(step(recorded))
 
-    with record_kv_scales(model) as rec, torch.no_grad():
+    with record_kv_scales(model, in_force=in_force) as rec, torch.no_grad():
         model(**inputs, use_cache=False)
 
     def once(fn: Callable[[], object]) -> float:
@@ -141,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         fn()
         return time.perf_counter() - t0
 
-    work_s = replay_seconds(model, inputs, 3 * args.reps)
-    scales_s = statistics.median(once(lambda: rec.scales("attn_head")) for _ in range(5))
+    work_s = replay_seconds(model, inputs, 3 * args.reps, in_force)
+    per_step = (lambda: rec.drift()) if args.in_force else (lambda: rec.scales("attn_head"))
+    scales_s = statistics.median(once(per_step) for _ in range(5))
     plain, recorded = (statistics.median(times[k]) for k in (False, True))
     paired = statistics.median(r / p for p, r in zip(times[False], times[True], strict=True))
     best_plain, best_recorded = (min(times[k]) for k in (False, True))
@@ -151,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model: {args.model or 'tiny Llama (4 layers, hidden 256)'}  dtype {dtype}  "
         f"attn {args.attn}  threads {torch.get_num_threads()}"
+        + ("  drift monitor on (in_force)" if args.in_force else "")
     )
     print(
         f"batch: {args.batch} x {args.seq} (left-padded, {real} real tokens); {what}; "
@@ -170,7 +189,10 @@ def main(argv: list[str] | None = None) -> None:
         f"recording work alone (replayed): {work_s * 1e3:.2f} ms per step = "
         f"{work_s / plain * 100:.1f}% of the plain step (median)"
     )
-    print(f"scales() once per step: {scales_s * 1e3:.2f} ms ({len(rec.scales())} tensors)")
+    if args.in_force:
+        print(f"drift() once per step: {scales_s * 1e3:.2f} ms ({rec.drift().verdict})")
+    else:
+        print(f"scales() once per step: {scales_s * 1e3:.2f} ms ({len(rec.scales())} tensors)")
     if tmp is not None:
         tmp.cleanup()
 

@@ -26,6 +26,9 @@ Modules, in the order a run uses them:
 * ``pipeline`` -- all of it in one call (``calibrate``);
 * ``trainer`` -- the same recording around a trainer's own forward pass, max-reduced over
   data-parallel ranks, returning the scale tensors to send (``record_kv_scales``);
+* ``drift`` -- with the scales in force, how far that forward's K / V drifted from them
+  (amax ratio, clipped fraction, a refresh / keep verdict: ``Drift``, ``DriftThresholds``);
+* ``simulate`` -- an FP8 KV cache simulated in transformers' attention (``simulate_fp8_cache``);
 * ``check`` -- ``--check``: how a checkpoint's own k/v scales fit the text (``check.check``,
   ``check.to_json``; not re-exported here: the module is named like its function);
 * ``cli`` -- the command's arguments, run and summary;
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
         builtin_corpus,
         read_samples,
     )
+    from kvscale_plugin.calibration.drift import Drift, DriftThresholds
     from kvscale_plugin.calibration.maths import (
         SCALE_FLOOR,
         reads_other_cache,
@@ -70,6 +74,7 @@ if TYPE_CHECKING:
         weights_dtype,
     )
     from kvscale_plugin.calibration.pipeline import CalibrationResult, calibrate
+    from kvscale_plugin.calibration.simulate import fp8_roundtrip, simulate_fp8_cache
     from kvscale_plugin.calibration.trainer import KVScaleRecorder, record_kv_scales
     from kvscale_plugin.calibration.write import (
         kv_cache_scheme,
@@ -85,6 +90,7 @@ _EXPORTS = {
         ("CALIBRATION_RECORD", "DTYPE_CHOICES", "SCALES_SHARD", "SCHEMES", "CalibrationError"),
         "common",
     ),
+    **dict.fromkeys(("Drift", "DriftThresholds"), "drift"),
     **dict.fromkeys(("CORPUS_FILE", "DATA_DIR", "builtin_corpus", "read_samples"), "corpus"),
     **dict.fromkeys(
         ("SCALE_FLOOR", "reads_other_cache", "scale_from_amax", "scales_from_observed"), "maths"
@@ -94,6 +100,7 @@ _EXPORTS = {
         "observer",
     ),
     **dict.fromkeys(("CalibrationResult", "calibrate"), "pipeline"),
+    **dict.fromkeys(("fp8_roundtrip", "simulate_fp8_cache"), "simulate"),
     **dict.fromkeys(("KVScaleRecorder", "record_kv_scales"), "trainer"),
     **dict.fromkeys(
         ("kv_cache_scheme", "quantization_config_with_kv", "read_scales", "write_checkpoint"),
@@ -107,6 +114,8 @@ __all__ = [
     "CORPUS_FILE",
     "DATA_DIR",
     "DTYPE_CHOICES",
+    "Drift",
+    "DriftThresholds",
     "SCALES_SHARD",
     "SCALE_FLOOR",
     "SCHEMES",
@@ -118,6 +127,7 @@ __all__ = [
     "add_arguments",
     "builtin_corpus",
     "calibrate",
+    "fp8_roundtrip",
     "kv_cache_scheme",
     "load_model",
     "observe",
@@ -130,6 +140,7 @@ __all__ = [
     "run",
     "scale_from_amax",
     "scales_from_observed",
+    "simulate_fp8_cache",
     "weights_dtype",
     "write_checkpoint",
 ]

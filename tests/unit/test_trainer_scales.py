@@ -117,6 +117,12 @@ def test_forward_and_backward_are_unchanged(ckpt, attn):
     assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
     scales = rec.scales("attn_head")
     assert len(scales) == 2 * len(LAYERS) and all((t > 0).all() for t in scales.values())
+    # The drift monitor (issue #54) changes nothing either, with elements clipping.
+    with cal.record_kv_scales(model, in_force={n: t * 0.5 for n, t in scales.items()}) as mon:
+        logits, grads = step()
+    assert mon.drift().refresh
+    assert torch.equal(logits, plain_logits)
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
     # Recording stopped with the context: transformers' own dispatch is back.
     from transformers.modeling_utils import AttentionInterface
 
@@ -171,7 +177,7 @@ def test_fsdp2_ranks_reduce_to_one_process_over_both_batches(trainer, ckpt, tmp_
     ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     # One process, no group: both ranks' batches, one forward each.
     with cal.record_kv_scales(model) as both, torch.no_grad():
@@ -184,6 +190,17 @@ def test_fsdp2_ranks_reduce_to_one_process_over_both_batches(trainer, ckpt, tmp_
         for got in ranks:
             assert got[scheme].keys() == want.keys()
             assert all(torch.equal(got[scheme][n], want[n]) for n in want), scheme
+    # The drift monitor (issue #54): counts summed over the ranks = one process's counts
+    # over both batches, against the same scales in force.
+    tight = {n: t * 0.4 for n, t in both.scales("tensor").items()}
+    with cal.record_kv_scales(model, in_force=tight) as single, torch.no_grad():
+        for half in halves:
+            model(**padded_batch(tok, half, "left", pad_id, MAX_LEN), use_cache=False)
+    want = single.drift()
+    assert want.refresh
+    for got in ranks:
+        assert got["drift"].verdict == want.verdict
+        assert got["drift"].layers == want.layers
     # The reduction mattered: rank 0's batch alone gives other scales.
     alone = first.scales("attn_head")
     assert not all(torch.equal(alone[n], t) for n, t in ranks[0]["attn_head"].items())

@@ -3,7 +3,8 @@
 data-parallel ranks (``python -m kvscale_testing.trainer_forward CKPT TEXTS_JSON OUT_DIR``
 with torch.distributed's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set: each rank
 FSDP2-shards the model, records its own texts' padded batch max-reduced over the world
-and saves ``rank<N>.pt``: scheme -> scale tensors).
+and saves ``rank<N>.pt``: scheme -> scale tensors, and ``drift``: the drift monitor's
+report against scales 0.4x those, counts summed over the world).
 """
 
 from __future__ import annotations
@@ -89,7 +90,13 @@ def _rank_main(ckpt: str, texts_json: str, out_dir: str) -> None:
     batch = padded_batch(tok, spec["texts"][rank], "left", spec["pad_id"], spec["max_len"])
     with record_kv_scales(model, group=dist.group.WORLD) as rec, torch.no_grad():
         model(**batch, use_cache=False)
-    torch.save({s: rec.scales(s) for s in SCHEMES}, Path(out_dir) / f"rank{rank}.pt")
+    out: dict[str, Any] = {s: rec.scales(s) for s in SCHEMES}
+    # The drift monitor against scales 0.4x the group's: clipped counts summed over ranks.
+    tight = {n: t * 0.4 for n, t in out["tensor"].items()}
+    with record_kv_scales(model, group=dist.group.WORLD, in_force=tight) as rec, torch.no_grad():
+        model(**batch, use_cache=False)
+    out["drift"] = rec.drift()
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
