@@ -6,8 +6,8 @@ trainer sends through ``model.load_weights`` (``collective_rpc``, or a direct ca
 in-process or SPMD engine: verl, NeMo-RL, TRL's colocate mode) has no parameter to land in
 and the model's loader skips it without a word. kvscale wraps the loaded model's own
 ``load_weights`` (that instance only, in a ``-q kvscale`` engine). While the host's own
-load runs (start-up, ``reload_weights``, a weight-transfer session: ``Cycle.loading``) the
-call goes through unchanged and the KV method takes the scales. Outside it, a call's
+load runs (start-up, ``reload_weights``, a weight-transfer session: ``host_load_running``)
+the call goes through unchanged and the KV method takes the scales. Outside it, a call's
 KV-scale tensors are taken out and the rest goes to the model; the scales are one update:
 
 * every tensor read as the KV method's loaders read it (``loadcycle.read_scale``: every
@@ -83,6 +83,25 @@ def _other_stage(cfg: Any, name: str) -> bool:
     return pipeline_parallel()
 
 
+def host_load_running(cfg: Any) -> bool:
+    """vLLM's own load is running, and its KV method takes the scales: the load cycle says
+    so (the start-up load, ``reload_weights``), or vLLM's layerwise reload (a reload, a
+    weight-transfer session) restored the layers' scale placeholders on the meta device.
+    Up to 0.33 the placeholders exist only then; from 0.34 they stay after loading (on the
+    layer's device), so only the cycle's state or the meta device tells."""
+    from kvscale_plugin.hosts.vllm.runtime import keeps_placeholders
+
+    if cfg.cycle.loading:
+        return True
+    for layer in cfg.attention_layers():
+        placeholder = getattr(layer, "k_scale", None)
+        if isinstance(placeholder, torch.Tensor) and (
+            placeholder.is_meta or not keeps_placeholders()
+        ):
+            return True
+    return False
+
+
 def wrap_model(cfg: Any, model: torch.nn.Module) -> None:
     """Wrap ``model``'s own ``load_weights`` (this instance only). Idempotent."""
     original = model.load_weights
@@ -91,7 +110,7 @@ def wrap_model(cfg: Any, model: torch.nn.Module) -> None:
 
     @functools.wraps(original)
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any):
-        if cfg.cycle.loading:
+        if host_load_running(cfg):
             return original(weights, *args, **kwargs)
         taken: list[tuple[str, torch.Tensor, Landing]] = []
         rest = _divert(cfg, weights, taken)
