@@ -18,6 +18,7 @@ if __name__ == "__main__":
     from vllm import LLM
 
     from kvscale_plugin.demo.probe import ENGINE_DEFAULTS
+    from kvscale_plugin.hosts.vllm.extension import QUALNAME
     from kvscale_plugin.hosts.vllm.live import worker_fingerprint
 
     model_dir, kv_cache_dtype = sys.argv[1], sys.argv[2]
@@ -27,6 +28,7 @@ if __name__ == "__main__":
         enforce_eager=True,
         pipeline_parallel_size=2,
         kv_cache_dtype=kv_cache_dtype,
+        worker_extension_cls=QUALNAME,
         **ENGINE_DEFAULTS,
     )
 
@@ -55,4 +57,7 @@ if __name__ == "__main__":
     ]
     result["names"] = llm.collective_rpc(sender(good))
     result["after_valid"] = llm.collective_rpc(worker_fingerprint)
+    # The same by name (kvscale's worker extension): a string, nothing pickled.
+    result["by_name"] = llm.collective_rpc("kvscale_fingerprint")
+    result["check_by_name"] = llm.collective_rpc("kvscale_check")
     print("RESULT " + json.dumps(result), flush=True)

@@ -205,3 +205,6 @@ def test_pipeline_parallel_update_is_one_decision(tiny, tmp_path):
     if CPU_FP8:
         for after, start in zip(r["after_valid"], r["start"], strict=True):
             assert after["fingerprint"] != start["fingerprint"]
+    # Callable by name through kvscale's worker extension, on every stage.
+    assert r["by_name"] == r["after_valid"]
+    assert r["check_by_name"] == [[], []]
