@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 
@@ -29,6 +28,7 @@ from _run_script import HERE, run_script
 from kvscale_testing.checkpoints import reference_token_ids
 from kvscale_testing.engines import greedy_with_logprobs
 from kvscale_testing.probe import vllm_engine
+from kvscale_testing.server import free_port
 from kvscale_testing.skips import CPU_FP8, KV_DTYPE, follows_cpu_fp8, needs_avx512_cpu_for_tp
 
 from kvscale_plugin.hosts.vllm.live import worker_fingerprint
@@ -117,12 +117,6 @@ def test_direct_calls_on_an_in_process_engine(tiny, kvscale_warnings, caplog):
     assert not kvscale_warnings("could not tell whether the KV scales in force changed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @follows_cpu_fp8
 @needs_avx512_cpu_for_tp
 def test_spmd_external_launcher_tp2(tiny, tmp_path):
@@ -137,7 +131,7 @@ def test_spmd_external_launcher_tp2(tiny, tmp_path):
             "--nproc-per-node",
             "2",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             str(HERE / "_spmd_sync.py"),
             str(ckpt),
             KV_DTYPE,

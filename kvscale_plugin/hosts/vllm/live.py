@@ -83,7 +83,7 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
         cfg.attention_layers() if layers is None else layers,
         COPIES,
         _rewrite,
-        f"{cfg.warn_scope}",
+        cfg.warn_scope,
         "memory cleared by vLLM's sleep level 2, a refit that wrote one copy only",
     )
 

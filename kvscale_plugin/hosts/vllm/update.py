@@ -141,9 +141,10 @@ def _divert(
             taken.append((name, tensor, where))
 
 
-def _read(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> tuple[dict, set, list]:
+def _read(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> tuple[dict, set, list, int]:
     """Every tensor of the update into its layer's record (or the cycle's ``elsewhere``):
-    the layers named, the names taken, the names that land nowhere."""
+    the layers named, the names taken here, the names that land nowhere, and how many
+    tensors another pipeline stage takes."""
     from kvscale_plugin.hosts.vllm.qscales import reads_q_scale
 
     layers = cfg.attention_layers()
@@ -153,6 +154,7 @@ def _read(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> tuple[dic
     named: dict[int, torch.nn.Module] = {}
     names: set[str] = set()
     nowhere: list[str] = []
+    elsewhere = 0
     for name, tensor, where in taken:
         if where is False:
             nowhere.append(name)
@@ -163,7 +165,7 @@ def _read(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> tuple[dic
                 continue
             _, problems = read_scale(name, tensor, heads, is_query=is_q)
             cfg.cycle.elsewhere.add(problems)
-            names.add(name)  # (returned as taken by the stage that holds it)
+            elsewhere += 1
             continue
         assert not isinstance(where, (bool, str)) and where is not None
         layer, kind = where
@@ -180,7 +182,7 @@ def _read(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> tuple[dic
             continue
         for k in kinds:  # the legacy single kv_scale: k and v
             record.loaded[k] = values
-    return named, names, nowhere
+    return named, names, nowhere, elsewhere
 
 
 def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> set[str]:
@@ -201,7 +203,7 @@ def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> set
         record.start()
     cycle.elsewhere.clear()
     try:
-        named, names, nowhere = _read(cfg, taken)
+        named, names, nowhere, elsewhere = _read(cfg, taken)
         if nowhere:
             warn_once(
                 f"{cfg.warn_scope}live-unmapped-{','.join(sorted(nowhere))}",
@@ -274,13 +276,9 @@ def take_update(cfg: Any, taken: list[tuple[str, torch.Tensor, Landing]]) -> set
         if len(named) < total:
             what += f"; the other {total - len(named)} keep theirs"
     # Counted alike on every rank and stage: a call that carried scales for any layer.
-    took = bool(named) or bool(names)
+    took = bool(names) or elsewhere > 0
     live.after_load(cfg, what, took_scales=took, quiet=not took)
-    return {name for name in names if name.rsplit(".", 1)[0] in _local_names(layers)}
-
-
-def _local_names(layers: list[torch.nn.Module]) -> set[str]:
-    return {record.name for record in map(layer_record, layers) if record is not None}
+    return names
 
 
 def _refused(corrupt: CorruptScales) -> str:
