@@ -28,6 +28,10 @@ TEST_RULES := build/test-rules
 # PyPI's torchvision for the one engine test that imports it (Qwen3.5 + MTP), with a
 # start-up shim that lets it import next to CPU torch; on PYTHONPATH in that test only.
 TEST_TORCHVISION := build/test-torchvision
+# NIXL for the prefill/decode pair test (its engines' processes only: PYTHONPATH there).
+# --no-deps: the nixl meta-package would pull both CUDA 12 and 13 wheels; nixl-cu12 carries
+# UCX and runs on the CPU.
+TEST_NIXL := build/test-nixl
 # pip's local mirrors print a line per package they lack; keep the log readable.
 # (grep's own "no line left" status is not a failure; pip's failure still is, via pipefail)
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -65,6 +69,11 @@ $(VENV)/.kvscale-installed: pyproject.toml Makefile
 $(TEST_RULES)/.installed: $(VENV)/.kvscale-installed tests/rule_package/pyproject.toml $(wildcard tests/rule_package/*/*.py)
 	rm -rf $(TEST_RULES)
 	$(PIP) install -q --no-deps --target $(TEST_RULES) ./tests/rule_package $(QUIET)
+	touch $@
+
+$(TEST_NIXL)/.installed: $(VENV)/.kvscale-installed
+	rm -rf $(TEST_NIXL)
+	$(PIP) install -q --no-deps --target $(TEST_NIXL) nixl==1.5.1 nixl-cu12==1.5.1 $(QUIET)
 	touch $@
 
 $(TEST_TORCHVISION)/.installed: $(VENV)/.kvscale-installed tests/e2e/torchvision_site/sitecustomize.py
@@ -129,7 +138,7 @@ llmcompressor-checkpoints: envs
 # every test that starts no engine (make test-fast's set). Each one passes, or is skipped
 # up front by its needs_* marker; none fails.
 WITHOUT_FP8_SELECTION := follows_cpu_fp8 or not (engine or slow or compile)
-test-without-fp8-cpu: venv $(TEST_RULES)/.installed
+test-without-fp8-cpu: venv $(TEST_RULES)/.installed $(TEST_NIXL)/.installed
 	KVSCALE_TEST_CPU_WITHOUT_FP8=1 $(PY) $(PYTEST) -rfEs -m "$(WITHOUT_FP8_SELECTION)" tests
 
 # The main suite (two pytest-xdist workers, a test file each at a time; a short --basetemp:
@@ -138,7 +147,7 @@ test-without-fp8-cpu: venv $(TEST_RULES)/.installed
 # SGLang suite, the compat suite and the without-AVX-512 set run beside it; each side run's
 # log is printed when the main suite is done. The main suite prints its 25 slowest tests,
 # the engine starts and, at the end, every skip with its reason.
-test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed llmcompressor-checkpoints
+test: envs lint $(TEST_RULES)/.installed $(TEST_TORCHVISION)/.installed $(TEST_NIXL)/.installed llmcompressor-checkpoints
 	@mkdir -p build; rm -f build/side-*.rc; start=$$SECONDS; \
 	for side in test-sglang test-compat test-without-fp8-cpu; do \
 	  { if $(MAKE) --no-print-directory $$side > build/side-$$side.log 2>&1; \

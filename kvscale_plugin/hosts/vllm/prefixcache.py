@@ -39,6 +39,7 @@ from typing import Any
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import shorten, warn_once
+from kvscale_plugin.hosts.vllm.connectors import note_local, refresh_from_workers, refresh_local
 from kvscale_plugin.hosts.vllm.layers import (
     engine_layers,
     kvscale_config,
@@ -77,7 +78,9 @@ _GENERATION = [0]
 def note_scales(cfg: Any, live_state: Any) -> None:
     """After a load or update of ``cfg``'s layers (worker side): a new generation when what
     its FP8 caches are written with changed (not at the first look: nothing was cached)."""
-    now = layers_epoch(cfg.attention_layers())
+    layers = cfg.attention_layers()
+    note_local(layers)
+    now = layers_epoch(layers)
     before, live_state.epoch = live_state.epoch, now
     if before is not None and now != before:
         _GENERATION[0] += 1
@@ -149,6 +152,7 @@ def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _is_kvscale(self):
+            refresh_local(self)
             seen = getattr(self, _SEEN, None)
             if seen is None:
                 setattr(self, _SEEN, _GENERATION[0])  # a new scheduler: nothing cached yet
@@ -236,6 +240,7 @@ def _core_collective_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _note_core_epoch(core: Any) -> None:
+    refresh_from_workers(core)
     before = getattr(core, _CORE_EPOCH, None)
     now = _engine_epoch(core)
     setattr(core, _CORE_EPOCH, now)
