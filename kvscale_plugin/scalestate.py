@@ -9,9 +9,10 @@ the same scales computes alike, whatever its tensor- or pipeline-parallel layout
   **every** head's k and v scale (a per-head layer's whole vector, not one rank's heads),
   as float32 hex (``fingerprint.value_text``);
 * ``tag``: the first 16 hex digits of the SHA-256 of ``kvscale-ss1\\n`` and those lines;
-* ``applied``: whether the engine's caches apply them (an FP8 cache); a bf16 cache's KV
-  does not depend on its scales, so its state travels and is compared but never makes a
-  store or a transfer unusable.
+* ``applied``: whether the engine's caches apply them (an FP8 cache). A layer whose cache
+  applies no scales (bf16) is served unscaled (1.0: what it applies), so every bf16 engine
+  of a model has one state, which updates do not change -- its KV does not depend on them;
+  that state travels and is compared, but never makes a store or a transfer unusable.
 
 Workers compute it from their layers' records (each PP stage its own layers; TP ranks the
 same lines), the engine merges them (``merge``). Pure: no host import.

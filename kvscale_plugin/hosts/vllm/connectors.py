@@ -241,7 +241,7 @@ def __getattr__(name: str) -> type:
     builder = _BUILDERS.get(name)
     if builder is None:
         raise AttributeError(
-            f"kvscale_plugin.hosts.vllm.connectors has no connector {name!r}: it provides "
+            f"kvscale has no connector {name!r} (kv_connector_module_path): it provides "
             f"{', '.join(sorted(_BUILDERS))}. Any other connector keeps vLLM's own, which "
             "does not know the scales its KV was written with (docs/deployment.md)."
         )
