@@ -165,5 +165,6 @@ def test_one_feature_table_every_feature_has_its_installer_or_none():
     assert {f for f in internals.FEATURES if activation.installer(f) is None} == {
         "scales",
         "mtp-drafts",
+        "kv-connectors",
         "deployment-check",
     }

@@ -57,6 +57,12 @@ FEATURES: dict[str, Feature] = {
         # (the model's own load_weights is wrapped at the end of its start-up load)
         "prefixcache.install",
     ),
+    # Loaded by vLLM itself (kv_connector_module_path=kvscale_plugin.hosts.vllm.connectors).
+    "kv-connectors": Feature(
+        "KV that leaves the block pool keeps its scales: kvscale's ExampleConnector stores "
+        "KV under the scale state, its NixlConnector carries the state in "
+        "kv_transfer_params and recomputes a prefill written under other FP8 scales"
+    ),
     # The KV method runs the check (``deployment.check_deployment``).
     "deployment-check": Feature(
         "a multi-node engine whose ranks do not all serve with kvscale (of one version) "
@@ -74,6 +80,8 @@ _CT = f"{_Q}.compressed_tensors.compressed_tensors"
 _RELOAD = "vllm.model_executor.model_loader.reload"
 _UPDATE = ("layer", "key", "value", "kv_cache", "slot_mapping")
 _SPEC = "vllm.v1.worker.gpu.spec_decode.gemma4"
+_KVC_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+_KVC = f"{_KVC_V1}.base"
 _ASSISTANT = (
     "the Gemma-4 assistant drafter's layers get kv_sharing_target_layer_name here, after "
     "loading, and no scale; a bf16 assistant has no KV method: no kvscale hook runs on them"
@@ -347,8 +355,41 @@ INTERNALS: tuple[Internal, ...] = (
         "vllm.v1.core.sched.scheduler",
         "Scheduler.reset_prefix_cache",
         "rl-sync",
-        "resets the prefix cache, preempting running requests (recomputed) the first time",
-        params=("reset_running_requests",),
+        "resets the prefix cache, preempting running requests (recomputed) the first time, "
+        "and the store of a KV connector of vLLM's that implements reset_cache",
+        params=("reset_running_requests", "reset_connector"),
+    ),
+    _i(
+        _KVC,
+        "KVConnectorBase_V1.get_handshake_metadata",
+        "kv-connectors",
+        "worker side: the worker's part of the scale state rides along the wrapped "
+        "connector's own handshake metadata (worker -> scheduler at start-up)",
+    ),
+    _i(
+        _KVC,
+        "KVConnectorBase_V1.set_xfer_handshake_metadata_pp_aware",
+        "kv-connectors",
+        "scheduler side: the engine's scale state; the wrapped connector gets its own metadata",
+        params=("metadata",),
+    ),
+    _i(
+        f"{_KVC_V1}.example_connector",
+        "ExampleConnector._generate_foldername_debug",
+        "kv-connectors",
+        "subclassed: the folder of a prompt's KV gains a folder of the scale state (vLLM's "
+        "store is keyed by the prompt's token ids only)",
+        params=("token_ids", "mm_hashes", "create_folder"),
+        lazy=True,
+    ),
+    _i(
+        f"{_KVC_V1}.nixl.connector",
+        "NixlBaseConnector.update_state_after_alloc",
+        "kv-connectors",
+        "subclassed: 0 external tokens takes NIXL's full-local-hit path, which tells the "
+        "producer to free the request's blocks",
+        params=("request", "blocks", "num_external_tokens"),
+        lazy=True,
     ),
     _i(
         "vllm.v1.executor.multiproc_executor",

@@ -33,13 +33,19 @@ call too (``_drain``): the next call reads its own.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import shorten, warn_once
-from kvscale_plugin.hosts.vllm.connectors import note_local, refresh_from_workers, refresh_local
+from kvscale_plugin.hosts.vllm.connectors import (
+    note_local,
+    refresh_from_workers,
+    refresh_local,
+    scheduler_connector,
+)
 from kvscale_plugin.hosts.vllm.layers import (
     engine_layers,
     kvscale_config,
@@ -116,8 +122,10 @@ def _try_reset(scheduler: Any) -> bool:
     if not changed:
         return True
     first = not getattr(scheduler, _PREEMPTED, False)
+    connector = connector_to_reset(scheduler)
+    kwargs = {"reset_connector": True} if connector else {}
     try:
-        done = bool(scheduler.reset_prefix_cache(reset_running_requests=first))
+        done = bool(scheduler.reset_prefix_cache(reset_running_requests=first, **kwargs))
         why = "" if done else "vLLM's reset returned False"
     except RuntimeError as exc:  # vLLM 0.32: raised when blocks stay held after preempting
         done, why = False, str(exc).split(". ")[0]
@@ -127,9 +135,10 @@ def _try_reset(scheduler: Any) -> bool:
         setattr(scheduler, _PENDING, None)
         logger.info(
             "kvscale: the KV scales the FP8 cache is written with changed (%s): the prefix "
-            "cache was reset%s, so no cached KV is read under other scales than it was "
+            "cache%s was reset%s, so no cached KV is read under other scales than it was "
             "written with.",
             changed,
+            f" and the KV connector's store ({connector})" if connector else "",
             " and running requests will be recomputed" if first else " (it was pending)",
         )
         return True
@@ -146,6 +155,22 @@ def _try_reset(scheduler: Any) -> bool:
         why,
     )
     return False
+
+
+def connector_to_reset(scheduler: Any) -> str | None:
+    """The name of the scheduler's KV connector when the reset must clear its store too:
+    a connector of vLLM's that keeps KV beyond the block pool under block hashes only (CPU
+    offloading, Mooncake's store, ...: vLLM's ``reset_connector``); None for none, for
+    kvscale's connectors (their stores are keyed by the scale state), or a vLLM without
+    ``reset_connector``."""
+    connector = getattr(scheduler, "connector", None)
+    if connector is None or scheduler_connector(scheduler) is not None:
+        return None
+    try:
+        takes = "reset_connector" in inspect.signature(scheduler.reset_prefix_cache).parameters
+    except (TypeError, ValueError):
+        return None
+    return type(connector).__name__ if takes else None
 
 
 def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
