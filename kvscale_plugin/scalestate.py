@@ -6,8 +6,9 @@ The scale state names those scales in a form every engine serving the same model
 the same scales computes alike, whatever its tensor- or pipeline-parallel layout:
 
 * one line per attention layer that has scales in force (its engine name, sorted), with
-  **every** head's k and v scale (a per-head layer's whole vector, not one rank's heads),
-  as float32 hex (``fingerprint.value_text``);
+  **every** head's k and v scale (a per-head layer's whole vector, gathered from the
+  tensor-parallel ranks that each serve some of its heads), as float32 hex
+  (``fingerprint.value_text``);
 * ``tag``: the first 16 hex digits of the SHA-256 of ``kvscale-ss1\\n`` and those lines;
 * ``applied``: whether the engine's caches apply them (an FP8 cache). A layer whose cache
   applies no scales (bf16) is served unscaled (1.0: what it applies), so every bf16 engine
@@ -64,40 +65,58 @@ class ScaleState:
         return f"{self.tag} ({'FP8, applied' if self.applied else 'not applied: no FP8 cache'})"
 
 
-#: One worker's part: layer name -> (k heads, v heads), and whether its caches apply them.
-Part = tuple[dict[str, tuple[tuple[float, ...], tuple[float, ...]]], bool]
+#: One layer as one worker serves it: k and v values, and which of the layer's heads they
+#: are (None: all of them, in order -- a per-tensor scale, or a worker with every head).
+LayerPart = tuple[tuple[float, ...], tuple[float, ...], tuple[int, ...] | None]
+#: One worker's part: layer name -> its ``LayerPart``, and whether its caches apply them.
+Part = tuple[dict[str, LayerPart], bool]
 
 
-def part(entries: Iterable[tuple[str, Iterable[float], Iterable[float]]], applied: bool) -> Part:
-    """A worker's part of the state from ``(layer name, k heads, v heads)`` of the layers
-    with scales in force."""
-    return {name: (tuple(k), tuple(v)) for name, k, v in entries}, bool(applied)
+def part(
+    entries: Iterable[tuple[str, Iterable[float], Iterable[float], Iterable[int] | None]],
+    applied: bool,
+) -> Part:
+    """A worker's part of the state from ``(layer name, k values, v values, head indices)``
+    of the layers with scales in force (head indices: which checkpoint heads a per-head
+    layer's values are on this tensor-parallel rank; None for all)."""
+    return {
+        name: (tuple(k), tuple(v), tuple(heads) if heads is not None else None)
+        for name, k, v, heads in entries
+    }, bool(applied)
 
 
 def merge(parts: Iterable[Part | None]) -> ScaleState | None:
     """The engine's state from its workers' parts (None when no worker has a layer with
-    scales in force: not a kvscale engine). Raises ``ScaleStateError`` when two workers
-    hold different scales for one layer (name and both values)."""
-    layers: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+    scales in force: not a kvscale engine): each layer's heads gathered from every rank
+    that serves some (TP), each stage's layers (PP). Raises ``ScaleStateError`` when two
+    workers hold different scales for one head of a layer (names it and both values)."""
+    layers: dict[str, tuple[dict[int, float], dict[int, float]]] = {}
     applied = False
-    seen = False
     for found in parts:
         if not found:
             continue
         entries, their_applied = found
-        for name, scales in entries.items():
-            seen = True
-            if name in layers and layers[name] != scales:
-                raise ScaleStateError(
-                    f"kvscale: the workers of this engine hold different KV scales for "
-                    f"layer {name!r} ({layers[name]} and {scales}); check them with "
-                    "collective_rpc('kvscale_check') and push the scales again."
-                )
-            layers[name] = scales
+        for name, (k, v, heads) in entries.items():
+            held = layers.setdefault(name, ({}, {}))
+            for kind, values, into in (("k", k, held[0]), ("v", v, held[1])):
+                indices = heads if heads is not None and len(heads) == len(values) else None
+                for i, value in zip(indices or range(len(values)), values, strict=True):
+                    if into.get(i, value) != value:
+                        raise ScaleStateError(
+                            f"kvscale: the workers of this engine hold different {kind} "
+                            f"scales for head {i} of layer {name!r} ({into[i]} and {value}); "
+                            "check them with collective_rpc('kvscale_check') and push the "
+                            "scales again."
+                        )
+                    into[i] = value
         applied = applied or their_applied
-    if not seen:
+    if not layers:
         return None
-    return ScaleState(tag(layers), applied, len(layers))
+    full = {
+        name: (tuple(k[i] for i in sorted(k)), tuple(v[i] for i in sorted(v)))
+        for name, (k, v) in layers.items()
+    }
+    return ScaleState(tag(full), applied, len(full))
 
 
 def tag(layers: Mapping[str, tuple[Iterable[float], Iterable[float]]]) -> str:

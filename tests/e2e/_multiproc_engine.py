@@ -38,4 +38,12 @@ if __name__ == "__main__":
     )
     tokens = list(out[0].outputs[0].token_ids)
     patched = llm.apply_model(patched_places_of)  # what kvscale changed in each worker
-    print("RESULT " + json.dumps({"scales": scales, "tokens": tokens, "patched": patched}))
+    result = {"scales": scales, "tokens": tokens, "patched": patched}
+    if per_head:  # the scale state KV travels with (KV connectors, P/D): the engine's
+        from kvscale_plugin.hosts.vllm.connectors import worker_part
+        from kvscale_plugin.scalestate import merge
+
+        parts = llm.collective_rpc(worker_part)
+        state = merge(parts)
+        result["state"] = {"tag": state.tag, "layers": sorted({n for p, _ in parts for n in p})}
+    print("RESULT " + json.dumps(result))

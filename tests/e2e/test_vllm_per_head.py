@@ -24,6 +24,7 @@ from kvscale_testing.probe import (
 from kvscale_testing.skips import follows_cpu_fp8, needs_fp8_cpu_cache
 
 from kvscale_plugin.scales import CorruptScaleError
+from kvscale_plugin.scalestate import merge, part
 from kvscale_plugin.scheme import FP8_KV_SCHEME
 
 pytestmark = pytest.mark.engine
@@ -175,9 +176,26 @@ def test_tensor_parallel_ranks_hold_their_heads(tiny, tmp_path, num_kv_heads):
     )
     ids = list(reference_token_ids(ckpt))[:24]
     args = (str(ckpt), json.dumps(ids), "2", "heads")
-    ranks = run_script("_multiproc_engine.py", *args, tmp_path=tmp_path, timeout=300)["scales"]
+    result = run_script("_multiproc_engine.py", *args, tmp_path=tmp_path, timeout=300)
+    ranks = result["scales"]
     assert len(ranks) == 2
     stored = read_stored_scales(ckpt)
+    # The scale state (KV connectors, P/D) gathers every head from the ranks: the state a
+    # single worker holding the checkpoint's whole vectors has, whatever the TP layout.
+    names = result["state"]["layers"]
+    assert len(names) == len(stored)
+    one_worker = merge(
+        [
+            part(
+                [
+                    (n, stored[layer_index(n)]["k"], stored[layer_index(n)]["v"], None)
+                    for n in names
+                ],
+                True,
+            )
+        ]
+    )
+    assert result["state"]["tag"] == one_worker.tag
     for rank, scales in enumerate(ranks):
         assert len(scales) == len(stored)
         for name, (k, v, k_float, v_float) in scales.items():

@@ -70,7 +70,7 @@ def test_the_handshake_hands_the_wrapped_connector_its_own_metadata() -> None:
     class Connector(_ScaleStateMixin, Base):
         pass
 
-    part = ({"model.layers.0.self_attn.attn": ((0.5,), (0.25,))}, True)
+    part = ({"model.layers.0.self_attn.attn": ((0.5,), (0.25,), None)}, True)
     connector = Connector()
     connector.set_xfer_handshake_metadata_pp_aware(
         {(0, 0): KVScaleHandshake(part, "nixl-0"), (0, 1): KVScaleHandshake(part, "nixl-1")}

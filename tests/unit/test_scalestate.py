@@ -24,13 +24,28 @@ LAYERS = {
 
 
 def _part(names, applied=True, layers=LAYERS):
-    return part([(n, *layers[n]) for n in names], applied)
+    return part([(n, *layers[n], None) for n in names], applied)
+
+
+def _tp_rank(rank: int) -> tuple:
+    """A TP=2 rank's part: head ``rank`` of the per-head layer, the per-tensor one whole."""
+    (k0, v0), (k1, v1) = LAYERS.values()
+    return part(
+        [
+            ("model.layers.0.self_attn.attn", (k0[rank],), (v0[rank],), (rank,)),
+            ("model.layers.1.self_attn.attn", k1, v1, None),
+        ],
+        True,
+    )
 
 
 def test_one_tag_whatever_the_layout() -> None:
     one_worker = merge([_part(LAYERS)])
-    # TP=2: both ranks hold every head's scales; PP=2: each stage its own layers.
-    tp2 = merge([_part(LAYERS), _part(LAYERS)])
+    # TP=2: each rank serves one head of the per-head layer; PP=2: each stage its layers;
+    # fewer KV heads than ranks: every rank holds the same heads.
+    tp2 = merge([_tp_rank(0), _tp_rank(1)])
+    replicated = merge([_part(LAYERS), _part(LAYERS)])
+    assert tp2 == replicated
     pp2 = merge(
         [_part(["model.layers.0.self_attn.attn"]), _part(["model.layers.1.self_attn.attn"])]
     )
@@ -51,7 +66,7 @@ def test_any_scale_changes_the_tag() -> None:
 
 def test_workers_that_disagree_are_refused_naming_the_layer() -> None:
     other = {**LAYERS, "model.layers.1.self_attn.attn": ((0.5,), (0.05,))}
-    with pytest.raises(ScaleStateError, match=r"model\.layers\.1\.self_attn\.attn"):
+    with pytest.raises(ScaleStateError, match=r"k scales for head 0 of layer 'model\.layers\.1\."):
         merge([_part(LAYERS), _part(LAYERS, layers=other)])
 
 

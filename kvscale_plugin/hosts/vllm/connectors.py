@@ -55,7 +55,8 @@ def layers_part(layers: Any) -> Part | None:
         cfg, record = kvscale_config(layer), layer_record(layer)
         if cfg is None or record is None or record.resolved is None or record.target:
             continue
-        entries.append((record.name, record.resolved.k_heads, record.resolved.v_heads))
+        heads = record.heads.heads if record.heads is not None else None
+        entries.append((record.name, record.resolved.k_heads, record.resolved.v_heads, heads))
         applied = applied or layer_serves_checkpoint_scales(cfg.kv_verdict, layer)
     return part(entries, applied) if entries else None
 
