@@ -34,8 +34,11 @@ trainer's forward, as a loop would call it).
     python benchmarks/rl_drift.py --lrs 0,1e-3 --steps 4 --json out.json --plot gap.png
     python benchmarks/rl_drift.py --from-json out.json --plot gap.png   # table + plot again
 
-The vLLM engine arm (a ``-q kvscale`` engine with an FP8 cache synced through
-``model.load_weights``) is not built: the output says so.
+The vLLM engine arm (``rl_drift_engine.py``): where this CPU runs vLLM's FP8 cache (AVX-512
+or AMX), arms (b) and (c) are also read through a real ``-q kvscale`` engine, its k/v
+projections and scales synced each step through ``model.load_weights`` and its fingerprint
+checked; each step prints the engine's gaps beside the simulated ones. Elsewhere, or with
+``--no-engine``, the output says it was skipped.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvscale_plugin.calibration import (  # noqa: E402
     DriftThresholds,
@@ -155,6 +159,7 @@ def run_lr(
     lr: float,
     cfg: argparse.Namespace,
     say: Any,
+    engine: Any = None,
 ) -> list[dict[str, Any]]:
     """One sweep point: ``cfg.steps`` AdamW steps at ``lr``, evaluated before each."""
     params = []
@@ -251,9 +256,25 @@ def run_lr(
         for first, second in (("b", "c"), ("a", "c"), ("d", "c"), ("b", "d")):
             mean, lo, hi = bootstrap(gap[first] - gap[second], mask, cfg.boot, seed=step)
             row[f"{first}_minus_{second}"] = [mean, lo, hi]
+        if engine is not None:  # the same arms through a real -q kvscale FP8 engine
+            got = {"b": engine.evaluate(model, scales["b"], ev, ref, weights=True)}
+            same = all(torch.equal(scales["b"][n], scales["c"][n]) for n in scales["c"])
+            if same:
+                got["c"] = got["b"]
+            else:
+                got["c"] = engine.evaluate(model, scales["c"], ev, ref, weights=False)
+            row["engine_gap_mean"] = {a: float(got[a]["gap"][real].mean()) for a in got}
+            row["engine_minus_sim"] = {
+                a: row["engine_gap_mean"][a] - row["gap_mean"][a] for a in got
+            }
+            diff = got["b"]["gap"] - got["c"]["gap"]
+            row["engine_b_minus_c"] = list(bootstrap(diff, mask, cfg.boot, seed=step))
+            row["engine_fingerprint_ok"] = all(g["fingerprint_ok"] for g in got.values())
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         say(step_line(row))
+        if "engine_gap_mean" in row:
+            say(engine_line(row))
         if step < cfg.steps:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -261,6 +282,16 @@ def run_lr(
     if factors:
         say(f"#   lr {lr:g}: near-range variant's F_l per layer: {factors}")
     return rows
+
+
+def engine_line(r: dict[str, Any]) -> str:
+    g, d = r["engine_gap_mean"], r["engine_minus_sim"]
+    return (
+        f"    engine (-q kvscale, FP8 cache): gap (b) {g['b']:.4f} (c) {g['c']:.4f}; "
+        f"engine - simulated (b) {d['b']:+.4f} (c) {d['c']:+.4f}; (b)-(c) "
+        f"{_ci(r['engine_b_minus_c'])}; fingerprint "
+        f"{'= scales sent' if r['engine_fingerprint_ok'] else 'MISMATCH'}"
+    )
 
 
 def _ci(x: list[float]) -> str:
@@ -363,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="smoke run: 1 lr x 2 steps, small batches (~15 s)"
     )
     p.add_argument("--json", type=Path, help="write every step's numbers here")
+    p.add_argument(
+        "--no-engine", action="store_true", help="skip the vLLM engine arm (FP8 CPUs run it)"
+    )
     p.add_argument("--plot", type=Path, help="gap vs drift per arm (PNG, needs matplotlib)")
     p.add_argument("--from-json", type=Path, help="no run: the table and plot of a --json file")
     cfg = p.parse_args(argv)
@@ -399,11 +433,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.batch} x <= {cfg.seq} tokens/step; eval {ev['input_ids'].shape[0]} texts, "
         f"{int(ev['attention_mask'][:, 1:].sum())} scored tokens; bootstrap {cfg.boot}"
     )
-    say("# engine arm not built (a -q kvscale vLLM engine synced via model.load_weights)")
+    engine = None
+    if cfg.no_engine:
+        say("# engine arm: off (--no-engine)")
+    elif cfg.scheme != "tensor":
+        say("# engine arm: skipped (per-tensor scales only: the calibrated checkpoint's scheme)")
+    else:
+        from rl_drift_engine import EngineArm, cpu_runs_fp8_cache
+
+        if cpu_runs_fp8_cache():
+            engine = EngineArm(cfg.model, say)
+        else:
+            say(
+                "# engine arm: skipped: this CPU has neither AVX-512 nor AMX, so vLLM's CPU "
+                "build runs no FP8 KV cache (the simulated cache runs everywhere)"
+            )
     rows: list[dict[str, Any]] = []
     for lr in lrs:
         model = copy.deepcopy(base)
-        rows += run_lr(model, train, ev, lr, cfg, say)
+        rows += run_lr(model, train, ev, lr, cfg, say, engine)
         del model
     say(f"# total {time.perf_counter() - t_all:.0f} s")
     say(table(rows))
