@@ -99,10 +99,12 @@ def canonical_lines(
     tp_rank: int = 0,
     tp_size: int = 1,
     layers: Collection[int] | None = None,
+    applied: bool = True,
 ) -> list[str]:
     """The canonical lines of scale tensors as a checkpoint names them (``scale_kinds``,
     under a numbered layer: ``layer_index``); other tensors are skipped, and so are
-    layers not in ``layers`` (when given: a pipeline stage's, the engine's)."""
+    layers not in ``layers`` (when given: a pipeline stage's, the engine's). ``applied``
+    False: the engine's caches apply no scales (bf16), so it serves every value as 1.0."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     entries: dict[tuple[int, str], str] = {}
     for name, tensor in items:
@@ -113,6 +115,8 @@ def canonical_lines(
         values = tensor.detach().float().reshape(-1).tolist()
         if len(values) > 1:  # per head: this rank's
             values = [values[h] for h in rank_kv_heads(len(values), tp_rank, tp_size)]
+        if not applied:
+            values = [1.0] * len(values)
         for kind in kinds:
             entries[(index, kind)] = entry_line(index, kind, values)
     return [entries[key] for key in sorted(entries)]
@@ -124,15 +128,20 @@ def scale_fingerprint(
     tp_rank: int = 0,
     tp_size: int = 1,
     layers: Collection[int] | None = None,
+    applied: bool = True,
 ) -> str:
     """The fingerprint an engine (or its TP rank ``tp_rank`` of ``tp_size``) reports once
     it serves ``tensors``: the k/v scale tensors a trainer is about to send, named as a
     checkpoint names them. Compare it with ``worker_fingerprint`` (vLLM, through
     ``collective_rpc``) after the sync. Other tensors in ``tensors`` are ignored, so the
     whole update may be passed. ``layers``: only these layer indices (a pipeline-parallel
-    worker serves its stage's: pass its ``worker_fingerprint(...)["layers"]``). Raises
+    worker serves its stage's: pass its ``worker_fingerprint(...)["layers"]``);
+    ``applied``: the worker's ``["applied"]`` (False on a bf16 cache, which serves every
+    scale as 1.0: the lines then hold 1.0, so a bf16 engine and its trainer agree). Raises
     ``FingerprintError`` when no tensor is a k/v scale of a numbered layer (there)."""
-    lines = canonical_lines(tensors, tp_rank=tp_rank, tp_size=tp_size, layers=layers)
+    lines = canonical_lines(
+        tensors, tp_rank=tp_rank, tp_size=tp_size, layers=layers, applied=applied
+    )
     if not lines:
         raise FingerprintError(
             "kvscale: none of these tensors is a k/v scale of a numbered attention layer"

@@ -97,7 +97,7 @@ def _check_fingerprint(family: Family, ckpt: Path) -> None:
         tensors.update({n: t for n, t in load_file(str(path)).items() if scale_kinds(n)})
     assert fp["fingerprint"] is not None and fp["layers"], (family.name, fp)
     assert fp["consistent"], (family.name, fp)
-    want = scale_fingerprint(tensors, layers=fp["layers"])
+    want = scale_fingerprint(tensors, layers=fp["layers"], applied=fp["applied"])
     assert fp["fingerprint"] == want, (family.name, fp, sorted(tensors))
     # every layer the checkpoint has scales for is covered (the engine's own numbering)
     assert set(stored_scales(ckpt)) <= set(fp["layers"]), (family.name, fp["layers"])

@@ -160,6 +160,10 @@ def test_engine_sync_paths_fingerprint_and_served_copies(tiny, kvscale_warnings)
         [after] = llm.collective_rpc(worker_fingerprint)
         assert after["updates"] == 2
         assert after["fingerprint"] == scale_fingerprint(_sent(_served(new)))
+        # The trainer's side of the same, from what it sent and the engine's "applied"
+        # (False on a bf16 cache, which serves every scale as 1.0).
+        assert after["applied"] is CPU_FP8
+        assert after["fingerprint"] == scale_fingerprint(_sent(new), applied=after["applied"])
         held = {int(n.split(".")[2]): (s.k, s.v) for n, s in layer_scales(llm).items()}
         assert held == _served(new)
 

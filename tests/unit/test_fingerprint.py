@@ -101,3 +101,13 @@ def test_a_fingerprint_over_no_layer_is_an_error():
         scale_fingerprint({"model.embed_tokens.weight": torch.ones(2)})
     with pytest.raises(FingerprintError, match=r"among layers \[7\]"):
         scale_fingerprint({"model.layers.0.self_attn.k_scale": torch.tensor(1.0)}, layers=[7])
+
+
+def test_a_bf16_cache_is_fingerprinted_as_it_serves_unscaled():
+    sent = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.05),
+        "model.layers.0.self_attn.v_scale": torch.tensor([0.04, 0.03]),
+    }
+    ones = {n: torch.ones_like(t) for n, t in sent.items()}
+    assert scale_fingerprint(sent, applied=False) == scale_fingerprint(ones)
+    assert scale_fingerprint(sent, applied=False) != scale_fingerprint(sent)

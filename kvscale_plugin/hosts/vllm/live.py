@@ -27,6 +27,7 @@ from kvscale_plugin.hosts.vllm.layers import (
     engine_layers,
     is_kvscale_layer,
     kvscale_config,
+    layer_serves_checkpoint_scales,
 )
 from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.livecopies import Copy, LiveState
@@ -137,12 +138,19 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
 
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
     lines = fingerprint_lines(layers)
+    served = [
+        layer
+        for layer in layers
+        if layer_serves_checkpoint_scales(kvscale_config(layer).kv_verdict, layer)
+    ]
     return {
         # None: no attention layer here serves scales to fingerprint (fails closed)
         "fingerprint": digest(lines) if lines else None,
         "updates": sum(state(c).updates for c in configs.values()),
         "layers": sorted({int(line.split(" ", 1)[0]) for line in lines if line[0] != "!"}),
         "consistent": not any(line.startswith("!") for line in lines),
+        # False: a bf16 cache, which serves every scale as 1.0 (scale_fingerprint(applied=))
+        "applied": bool(served),
         "tp_rank": get_tensor_model_parallel_rank(),
         "tp_size": get_tensor_model_parallel_world_size(),
         "pp_rank": get_pp_group().rank_in_group,
