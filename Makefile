@@ -187,7 +187,9 @@ bench-sync: venv
 
 # When fresh FP8 KV scales matter in an RL loop: AdamW steps on SmolLM2-135M's k/v
 # projections at a few learning rates, a simulated FP8 cache under four scale arms, the
-# drift monitor's verdict each step (any CPU; < 30 min; ARGS="--quick" for a smoke run).
+# drift monitor's verdict each step, and where the CPU runs vLLM's FP8 cache (AVX-512 /
+# AMX) arms (b) and (c) also through a real -q kvscale engine (any CPU; < 30 min;
+# ARGS="--quick" for a smoke run, ARGS="--no-engine" without the engine arm).
 bench-rl: venv
 	$(PY) benchmarks/rl_drift.py $(ARGS)
 
