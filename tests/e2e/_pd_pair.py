@@ -104,6 +104,7 @@ if __name__ == "__main__":
             "logprobs": [next(iter(s.values())).logprob for s in done.logprobs],
             "cached": got.num_cached_tokens,
             "pulled": pulled() - before,
+            "recomputed": (got.kv_transfer_params or {}).get("kvscale_recomputed"),
         }
 
     def state(prefilled):

@@ -18,7 +18,8 @@ after every load or update (``prefixcache``: the engine core asks the workers af
   sharing the store. A cache that applies no scales (bf16) keeps vLLM's layout.
 * ``NixlConnector`` (P/D over NIXL): the producer adds its state to the request's
   ``kv_transfer_params``; a consumer whose FP8 cache serves another state (or gets none)
-  does not pull: it recomputes the prefill (the request still succeeds) and NIXL's
+  does not pull: it recomputes the prefill (the request still succeeds; its final
+  ``kv_transfer_params`` say so under ``kvscale_recomputed``, with both states) and NIXL's
   full-local-hit path tells the producer to free the blocks.
 
 On an engine not served by kvscale (no scale state) both behave exactly as vLLM's own.
@@ -42,6 +43,10 @@ from kvscale_plugin.scalestate import (
 )
 
 logger = logging.getLogger("kvscale_plugin")
+
+#: In a decode request's final ``kv_transfer_params``: why its prefill was recomputed here
+#: (the producer's and this engine's scale states) instead of pulled.
+RECOMPUTED_KEY = "kvscale_recomputed"
 
 
 def layers_part(layers: Any) -> Part | None:
@@ -175,23 +180,34 @@ def _nixl_connector() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._kvscale_recompute: set[str] = set()
+            #: request id -> why its prefill was recomputed here (told back at its end)
+            self._kvscale_recomputed: dict[str, dict[str, Any]] = {}
 
-        def _kvscale_stamp(self, result: tuple[bool, Any]) -> tuple[bool, Any]:
+        def _kvscale_stamp(self, request: Any, result: tuple[bool, Any]) -> tuple[bool, Any]:
             delay, params = result
             if params is not None and self._kvscale_state is not None:
                 params = {**params, PARAMS_KEY: self._kvscale_state.to_params()}
+            why = self._kvscale_recomputed.pop(request.request_id, None)
+            if why is not None:  # the caller learns, per request, that nothing was pulled
+                params = {**(params or {}), RECOMPUTED_KEY: why}
             return delay, params
 
         def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
-            return self._kvscale_stamp(super().request_finished(request, block_ids))
+            return self._kvscale_stamp(request, super().request_finished(request, block_ids))
 
         def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
-            return self._kvscale_stamp(super().request_finished_all_groups(request, block_ids))
+            found = super().request_finished_all_groups(request, block_ids)
+            return self._kvscale_stamp(request, found)
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
             params = request.kv_transfer_params
             if params and params.get("do_remote_prefill") and not self._kvscale_reads(request):
                 self._kvscale_recompute.add(request.request_id)
+                producer = ScaleState.from_params(params)
+                self._kvscale_recomputed[request.request_id] = {
+                    "producer": producer.to_params() if producer else None,
+                    "consumer": self._kvscale_state.to_params() if self._kvscale_state else None,
+                }
                 return 0, False
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
