@@ -48,7 +48,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20)
     args = parser.parse_args()
 
-    import torch
 
     from kvscale_plugin.demo.probe import KV_CACHE_BYTES, shutdown
     from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
@@ -56,7 +55,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvscale-connectors-"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
     ckpt = build_tiny_checkpoint(tmp / "model", TinySpec(num_layers=2))
-    fp8 = bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+    from kvscale_plugin.hosts.vllm.platform_cache import cpu_cannot_run_fp8_cache
+
+    fp8 = not cpu_cannot_run_fp8_cache()
     kv_dtype = "auto" if fp8 else "bfloat16"
 
     from vllm import LLM, SamplingParams

@@ -439,9 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     elif cfg.scheme != "tensor":
         say("# engine arm: skipped (per-tensor scales only: the calibrated checkpoint's scheme)")
     else:
-        from rl_drift_engine import EngineArm, cpu_runs_fp8_cache
+        from rl_drift_engine import EngineArm
 
-        if cpu_runs_fp8_cache():
+        from kvscale_plugin.hosts.vllm.platform_cache import cpu_cannot_run_fp8_cache
+
+        if not cpu_cannot_run_fp8_cache():
             engine = EngineArm(cfg.model, say)
         else:
             say(

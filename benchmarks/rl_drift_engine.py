@@ -29,10 +29,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def cpu_runs_fp8_cache() -> bool:
-    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
-
-
 def _push(tensors: list[tuple[str, torch.Tensor]]) -> Any:
     def load(worker: Any) -> int:
         return len(worker.model_runner.model.load_weights(tensors))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,15 +133,6 @@ def _example_connector() -> type:
     class ExampleConnector(_ScaleStateMixin, Stock):  # type: ignore[misc, valid-type]
         """vLLM's ExampleConnector, storing and finding KV under the scale state."""
 
-        _kvscale_bound: ScaleState | None = None
-
-        def _kvscale_current(self) -> ScaleState | None:
-            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-            if self._role == KVConnectorRole.SCHEDULER:
-                return self._kvscale_state
-            return self._kvscale_bound
-
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             meta = super().build_connector_meta(scheduler_output)
             meta.kvscale_state = self._kvscale_state
@@ -148,13 +140,14 @@ def _example_connector() -> type:
 
         def bind_connector_metadata(self, connector_metadata: Any) -> None:
             super().bind_connector_metadata(connector_metadata)
-            self._kvscale_bound = getattr(connector_metadata, "kvscale_state", None)
+            # The worker side stores and loads under the state the scheduler matched under.
+            self._kvscale_state = getattr(connector_metadata, "kvscale_state", None)
 
         def _generate_foldername_debug(
             self, token_ids: Any, mm_hashes: list[str], create_folder: bool = False
         ) -> str:
             plain = super()._generate_foldername_debug(token_ids, mm_hashes, False)
-            state = self._kvscale_current()
+            state = self._kvscale_state
             if state is None or not state.applied:
                 folder = plain
             else:
@@ -275,17 +268,17 @@ def refresh_from_workers(core: Any) -> None:
         connector.kvscale_set_state(merge(core.model_executor.collective_rpc(worker_part)))
 
 
-#: In this process: its worker's part after its last load or update (``note_local``),
-#: and a count of changes (a scheduler here refreshes when it differs).
+#: In this process: the kvscale config of the engine whose worker loaded last (weakly: a
+#: finished engine is not kept alive) and a count of the scale changes noted
+#: (``note_local``); a scheduler here refreshes its connector's state when it differs.
 _LOCAL: list[Any] = [None, 0]
 
 
-def note_local(layers: Any) -> None:
-    """After a load or update in this process's worker."""
-    found = layers_part(layers)
-    if found != _LOCAL[0]:
-        _LOCAL[0] = found
-        _LOCAL[1] += 1
+def note_local(cfg: Any) -> None:
+    """After a load or update in this process's worker that changed what its caches are
+    written with (``prefixcache.note_scales`` decides; the first load counts)."""
+    _LOCAL[0] = weakref.ref(cfg)
+    _LOCAL[1] += 1
 
 
 _SEEN = "_kvscale_local_state_seen"
@@ -293,10 +286,10 @@ _SEEN = "_kvscale_local_state_seen"
 
 def refresh_local(scheduler: Any) -> None:
     """Before a step: a scheduler beside its worker (in-process, SPMD) takes the worker's
-    state when it changed since it last looked."""
+    state when it changed since it last looked (computed then, not at every update)."""
     connector = scheduler_connector(scheduler)
-    if connector is None or _LOCAL[0] is None:
+    cfg = _LOCAL[0]() if _LOCAL[0] is not None else None
+    if connector is None or cfg is None or getattr(connector, _SEEN, None) == _LOCAL[1]:
         return
-    if getattr(connector, _SEEN, None) != _LOCAL[1]:
-        setattr(connector, _SEEN, _LOCAL[1])
-        connector.kvscale_set_state(merge([_LOCAL[0]]))
+    setattr(connector, _SEEN, _LOCAL[1])
+    connector.kvscale_set_state(merge([layers_part(cfg.attention_layers())]))

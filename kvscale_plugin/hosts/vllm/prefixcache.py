@@ -84,10 +84,10 @@ _GENERATION = [0]
 def note_scales(cfg: Any, live_state: Any) -> None:
     """After a load or update of ``cfg``'s layers (worker side): a new generation when what
     its FP8 caches are written with changed (not at the first look: nothing was cached)."""
-    layers = cfg.attention_layers()
-    note_local(layers)
-    now = layers_epoch(layers)
+    now = layers_epoch(cfg.attention_layers())
     before, live_state.epoch = live_state.epoch, now
+    if before is None or now != before:  # a bf16 cache's state never changes after this
+        note_local(cfg)
     if before is not None and now != before:
         _GENERATION[0] += 1
         logger.debug("kvscale: the KV scales in force changed (generation %d)", _GENERATION[0])
