@@ -48,7 +48,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20)
     args = parser.parse_args()
 
-
     from kvscale_plugin.demo.probe import KV_CACHE_BYTES, shutdown
     from kvscale_plugin.demo.tinymodels import TinySpec, build_tiny_checkpoint
 
