@@ -227,10 +227,24 @@ def add_arguments(parser: Any) -> None:
 
 
 def run(args: Any, *, out: Any = None) -> int:
-    out = out or sys.stdout
+    """``kvscale demo``: vLLM's own logs quiet (unless ``--verbose``) and in-process engines,
+    for this call only -- a caller that runs the demo in its process (a test, a notebook)
+    gets its environment back as it was, so engines it starts later log as before."""
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        wanted["VLLM_LOGGING_LEVEL"] = "ERROR"
+    added = [key for key in wanted if key not in os.environ]
+    for key in added:
+        os.environ[key] = wanted[key]
+    try:
+        return _run(args, out)
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _run(args: Any, out: Any) -> int:
+    out = out or sys.stdout
     t0 = time.perf_counter()
 
     def log(message: str) -> None:
