@@ -82,3 +82,54 @@ def test_the_checker_sees_a_moved_target(release):
     assert "expected" in target_problem(
         sources, "vllm.v1.kv_cache_interface", "is_quantized_kv_cache", ("no_such_param",)
     )
+
+
+# What each release's GPU attention impls keep of a layer's scales (hosts/vllm/backendcopies):
+# the floats each block reads, per impl, as kvscale's refresh computes them.
+_READS = {
+    "FlashInferImpl": {"_q_scale_float", "_k_scale_float", "_v_scale_float"},
+    "FlashInferMLAImpl": {"_q_scale_float", "_k_scale_float"},
+    "FlashInferMLASparseImpl": {"_q_scale_float", "_k_scale_float"},
+    "TokenspeedMLAImpl": {"_q_scale_float", "_k_scale_float"},
+}
+
+
+def test_what_gpu_backends_keep_is_what_kvscale_refreshes(release):
+    """Per release: every impl of ``backendcopies.IMPL_CACHES`` that exists fills exactly
+    the attributes kvscale refreshes, under ``if self.<attr> is None``, from the floats
+    kvscale's formula reads, and its blocks are 0.32's (the formula kvscale mirrors; the
+    unit tests run 0.32's blocks). Prints the per-release table docs/compatibility.md holds."""
+    import ast
+
+    from kvscale_testing.backend_source import fill_blocks, layer_floats_read
+
+    from kvscale_plugin.hosts.vllm.backendcopies import FLOAT_READERS, IMPL_CACHES
+
+    version, sources = release
+    reference = fetch_sources(RELEASES["0.32.0"], "vllm", CACHE)
+    rows, problems = [], []
+    for entry in IMPL_CACHES:
+        node = sources.resolve(entry.module, entry.impl)
+        if isinstance(node, str):
+            rows.append(f"{entry.backend}: absent")
+            continue
+        blocks = fill_blocks(node, entry.attrs)
+        filled = {b.test.left.attr for b in blocks}
+        if not filled or not filled <= set(entry.attrs):
+            problems.append(f"{entry.impl} fills {sorted(filled)}, not {list(entry.attrs)}")
+        if layer_floats_read(blocks) - {"_o_scale_float"} != _READS[entry.impl]:
+            problems.append(f"{entry.impl} reads {sorted(layer_floats_read(blocks))}")
+        ref = reference.resolve(entry.module, entry.impl)
+        if not isinstance(ref, str):
+            ours = [ast.unparse(b) for b in blocks]
+            if ours != [ast.unparse(b) for b in fill_blocks(ref, entry.attrs)]:
+                problems.append(f"{entry.impl}: its blocks differ from 0.32's")
+        rows.append(f"{entry.backend}: keeps {', '.join(entry.attrs)}")
+    print(f"vLLM {version}: " + "; ".join(rows))
+    # The backends named when a scale change meets full CUDA graphs exist as named (0.34
+    # has them all; FLASHINFER_TS is new there).
+    if version == "0.34.0":
+        for module, impl in FLOAT_READERS:
+            if isinstance(sources.resolve(module, impl), str):
+                problems.append(f"{module}.{impl} not found")
+    assert problems == [], f"vLLM {version}: {problems}"

@@ -27,6 +27,10 @@ from _server import openai_server
 from kvscale_testing.checkpoints import reference_token_ids
 from kvscale_testing.probe import teacher_forced_logprobs, vllm_engine
 from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8
+from safetensors.torch import load_file
+
+from kvscale_plugin.fingerprint import scale_fingerprint
+from kvscale_plugin.hosts.vllm.extension import QUALNAME
 
 pytestmark = pytest.mark.engine
 
@@ -68,14 +72,16 @@ def test_data_parallel_server_answers_a_burst_correctly(tiny, tmp_path):
         (rng.sample(ids, rng.randint(4, len(ids) - 1)), rng.randint(1, 24)) for _ in range(BURST)
     ]
 
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node: engines share it
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # one NUMA node: engines share it
+        "VLLM_SERVER_DEV_MODE": "1",  # the dev /collective_rpc endpoint
+    }
+    extra = ["--data-parallel-size", str(DP), "--kv-cache-dtype", KV_DTYPE]
     with openai_server(
-        ckpt,
-        tmp_path,
-        extra=["--data-parallel-size", str(DP), "--kv-cache-dtype", KV_DTYPE],
-        env=env,
-        ready_s=300,
+        ckpt, tmp_path, extra=[*extra, "--worker-extension-cls", QUALNAME], env=env, ready_s=300
     ) as server:
+        # kvscale's check by name: every replica's worker answers.
+        by_name = server.post("/collective_rpc", {"method": "kvscale_fingerprint"})["results"]
         # Idle: the fixed text on each engine (pinned by rank).
         idle = {r: server.prompt_logprobs(ids, rank=r) for r in range(DP)}
 
@@ -124,6 +130,15 @@ def test_data_parallel_server_answers_a_burst_correctly(tiny, tmp_path):
         f"kvscale max |dlogprob|: idle {idle_dev}, among the burst {load_dev} "
         f"({len(under_load)} runs), after it {_max_dev(after, in_process):.2e}"
     )
+    # Both replicas answered the by-name check, each naming itself, each serving the
+    # checkpoint's scales (what a trainer holding those tensors computes).
+    assert sorted((fp["dp_rank"], fp["dp_size"]) for fp in by_name) == [(0, DP), (1, DP)], by_name
+    stored = load_file(str(next(ckpt.glob("*.safetensors"))))
+    scales = [(n, t) for n, t in stored.items() if n.endswith(("k_scale", "v_scale"))]
+    for fp in by_name:
+        assert fp["consistent"] and fp["applied"] is (KV_DTYPE == "auto"), fp
+        want = scale_fingerprint(scales, layers=fp["layers"], applied=fp["applied"])
+        assert fp["fingerprint"] == want, fp
     # Every burst request answered, with exactly the tokens asked for (ignore_eos).
     assert len(results) == BURST
     for asked, choice in results:

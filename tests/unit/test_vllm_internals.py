@@ -145,8 +145,9 @@ def test_a_target_that_no_longer_calls_the_path_is_a_problem():
 
 def test_every_patched_place_says_why_and_a_kvscale_engine_patches_at_most_six():
     assert all(len(i.patch) > 40 for i in internals.PATCHED)
-    # The MTP draft routing goes in only where the model declares MTP layers.
-    plain_engine = [i for i in internals.PATCHED if i.feature != "mtp-drafts"]
+    # The MTP draft routing goes in only where the model declares MTP layers; the
+    # data-parallel client's method runs only in the front end of a data-parallel deployment.
+    plain_engine = [i for i in internals.PATCHED if i.feature not in ("mtp-drafts", "dp-answers")]
     assert len(plain_engine) <= 6, [i.target for i in plain_engine]
 
 
@@ -161,6 +162,7 @@ def test_one_feature_table_every_feature_has_its_installer_or_none():
         "cpu-write",
         "custom-backend",
         "rl-sync",
+        "dp-answers",
     ]
     assert {f for f in internals.FEATURES if activation.installer(f) is None} == {
         "scales",

@@ -57,6 +57,12 @@ FEATURES: dict[str, Feature] = {
         # (the model's own load_weights is wrapped at the end of its start-up load)
         "prefixcache.install",
     ),
+    # The front end of a data-parallel deployment (``vllm serve --data-parallel-size N``).
+    "dp-answers": Feature(
+        "kvscale's by-name checks (collective_rpc('kvscale_fingerprint') / "
+        "('kvscale_check')) answered by every data-parallel engine, not engine 0 alone",
+        "extension.install_all_answers",
+    ),
     # Loaded by vLLM itself (kv_connector_module_path=kvscale_plugin.hosts.vllm.connectors).
     "kv-connectors": Feature(
         "KV that leaves the block pool keeps its scales: kvscale's ExampleConnector stores "
@@ -358,6 +364,24 @@ INTERNALS: tuple[Internal, ...] = (
         "resets the prefix cache, preempting running requests (recomputed) the first time, "
         "and the store of a KV connector of vLLM's that implements reset_cache",
         params=("reset_running_requests", "reset_connector"),
+    ),
+    _i(
+        "vllm.v1.engine.core_client",
+        "DPLBAsyncMPClient.collective_rpc_async",
+        "dp-answers",
+        "wrapped on the data-parallel client: a call of kvscale's by-name methods gathers "
+        "every engine's answers (any other call is vLLM's)",
+        params=("method", "timeout", "args", "kwargs"),
+        patch="vLLM's data-parallel client sends a utility call to every engine and returns "
+        "engine 0's answer only (call_utility_async), with no way to ask for all of them: "
+        "a check of what every replica serves would be heard from replica 0 alone",
+    ),
+    _i(
+        "vllm.v1.engine.core_client",
+        "AsyncMPClient._call_utility_async",
+        "dp-answers",
+        "one engine's answer to a utility call (engine=: one of the client's core_engines)",
+        params=("method",),
     ),
     _i(
         _KVC,

@@ -37,6 +37,7 @@ class EngineConfig(Protocol):
     mtp_scales_seen: set[str]
     cycle: Cycle
     shared: SharedLayers
+    full_cuda_graphs: bool | None
 
     def on_disk(self, corrupt: CorruptScales) -> CorruptScales: ...
 

@@ -22,6 +22,7 @@ import torch
 from kvscale_plugin import livecopies
 from kvscale_plugin._log import warn_once
 from kvscale_plugin.fingerprint import digest, layer_index
+from kvscale_plugin.hosts.vllm import backendcopies
 from kvscale_plugin.hosts.vllm.layers import (
     EngineConfig,
     engine_layers,
@@ -32,6 +33,7 @@ from kvscale_plugin.hosts.vllm.layers import (
 from kvscale_plugin.hosts.vllm.process import HOST
 from kvscale_plugin.livecopies import Copy, LiveState
 from kvscale_plugin.loadcycle import layer_record
+from kvscale_plugin.notices import warn_rewritten_copies
 
 logger = logging.getLogger("kvscale_plugin")
 
@@ -79,14 +81,23 @@ def check_served(cfg: EngineConfig, layers: Iterable[torch.nn.Module] | None = N
     """Compare every served copy of every kvscale layer with the scales in force (the
     layer's record), rewrite those that disagree, and say so once for this check. Returns
     what was rewritten (``layer.copy``)."""
-    return livecopies.check_served(
-        cfg,
-        cfg.attention_layers() if layers is None else layers,
-        COPIES,
-        _rewrite,
-        cfg.warn_scope,
-        "memory cleared by vLLM's sleep level 2, a refit that wrote one copy only",
+    layers = list(cfg.attention_layers() if layers is None else layers)
+    causes = "memory cleared by vLLM's sleep level 2, a refit that wrote one copy only"
+    fixed = livecopies.check_served(cfg, layers, COPIES, _rewrite, cfg.warn_scope, causes)
+    # What a GPU backend's impl keeps, computed from the floats (``backendcopies``):
+    # kvscale's writer brings them along, so one that disagrees now was set elsewhere.
+    details = []
+    for layer in layers:
+        for copy, held, want in backendcopies.refresh(layer):
+            name = getattr(layer, "layer_name", type(layer).__name__)
+            fixed.append(f"{name}.{copy}")
+            details.append(f"{name}.{copy} held {held:g}, in force {want:g}")
+    warn_rewritten_copies(
+        f"{cfg.warn_scope}impl-copies-{state(cfg).checks}",
+        details,
+        "a backend that computed them from other scale floats",
     )
+    return fixed
 
 
 def serve_cpu_write(layer: torch.nn.Module) -> None:
@@ -137,6 +148,9 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
     )
 
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    # The replica: vLLM's data_parallel_index where it has one (a dense model's workers
+    # keep data_parallel_rank 0 in every replica), else data_parallel_rank.
+    replica = getattr(parallel, "data_parallel_index", None)
     lines = fingerprint_lines(layers)
     served = [
         layer
@@ -154,7 +168,11 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
         "tp_rank": get_tensor_model_parallel_rank(),
         "tp_size": get_tensor_model_parallel_world_size(),
         "pp_rank": get_pp_group().rank_in_group,
-        "dp_rank": getattr(parallel, "data_parallel_rank", 0),
+        "dp_rank": replica if replica is not None else getattr(parallel, "data_parallel_rank", 0),
+        # A dense model's replicas are independent engines, each told a size of 1 (vLLM's
+        # reconfigure_for_independent_dp_rank); kvscale's DP client wrapper says how many
+        # answered (extension.install_all_answers).
+        "dp_size": getattr(parallel, "data_parallel_size", 1),
     }
 
 

@@ -49,6 +49,7 @@ from kvscale_plugin.hosts.vllm.runtime import (
     is_dummy_load,
     keeps_placeholders,
     pipeline_parallel,
+    replays_full_cuda_graphs,
 )
 from kvscale_plugin.hosts.vllm.scalepaths import (
     UNMAPPED_PREFIX,
@@ -139,6 +140,9 @@ class KVScaleConfig(CompressedTensorsConfig):
         self.mtp_scales_seen: set[str] = set()
         # Layers that read another layer's cache: what their own checkpoint scales were.
         self.shared = SharedLayers()
+        # Whether this engine replays full CUDA graphs (read as its worker builds the
+        # first layer: ``backendcopies.warn_captured_graphs``).
+        self.full_cuda_graphs: bool | None = None
         self._attention_layers: weakref.WeakValueDictionary[str, torch.nn.Module] = (
             weakref.WeakValueDictionary()
         )
@@ -180,6 +184,7 @@ class KVScaleConfig(CompressedTensorsConfig):
     ) -> str | None:
         claimed = claims_checkpoint(hf_quant_cfg, user_quant)
         if claimed is not None:
+            HOST.front_end = True
             activate()  # this process builds a kvscale engine (the front end, first)
         return claimed
 
@@ -286,6 +291,8 @@ class KVScaleKVCacheMethod(CompressedTensorsKVCacheMethod):
         # Called again on every in-place reload: build fresh placeholders each time.
         cfg = self.quant_config
         layer_built()  # the features that go in as the worker builds its layers
+        if cfg.full_cuda_graphs is None:
+            cfg.full_cuda_graphs = replays_full_cuda_graphs()
         layer_name = getattr(layer, "layer_name", type(layer).__name__)
         if layer_name not in cfg._attention_layers:
             start_recording(layer, cfg)  # where the model puts this layer (``scalepaths``)

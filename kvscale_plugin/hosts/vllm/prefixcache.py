@@ -91,6 +91,11 @@ def note_scales(cfg: Any, live_state: Any) -> None:
     if before is not None and now != before:
         _GENERATION[0] += 1
         logger.debug("kvscale: the KV scales in force changed (generation %d)", _GENERATION[0])
+        from kvscale_plugin.hosts.vllm.backendcopies import warn_captured_graphs
+
+        warn_captured_graphs(
+            cfg.warn_scope, cfg.attention_layers(), bool(getattr(cfg, "full_cuda_graphs", False))
+        )
 
 
 # -- the scheduler side ---------------------------------------------------------------

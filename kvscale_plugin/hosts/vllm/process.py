@@ -36,6 +36,9 @@ class HostState:
         self.registered = False  # ``--quantization kvscale`` registered (``register``)
         self.installed: set[str] = set()  # features active here (``activation``)
         self.lost: dict[str, str] | None = None  # activation's answer (None: not yet)
+        # This process claimed a checkpoint for kvscale (vLLM's front end: engine cores and
+        # workers get the config pickled); what only a front end installs reads it.
+        self.front_end = False
         self.deployment_checked = False  # ``deployment.check_deployment`` ran
         self.cpu_write_announced = False  # the CPU write's INFO line was logged
         self.step_plans: Any = None  # ``cpu_cache_write.StepPlans``, at the first torch write

@@ -14,6 +14,16 @@ def is_dummy_load() -> bool:
     return config is not None and str(config.load_config.load_format) == "dummy"
 
 
+def replays_full_cuda_graphs() -> bool:
+    """The engine being built replays full CUDA graphs for some batches (what they
+    captured, Python floats included, is replayed as captured)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from kvscale_plugin.hosts.vllm.backendcopies import replays_full_graphs
+
+    return replays_full_graphs(get_current_vllm_config_or_none())
+
+
 def explicit_fp8_cache() -> bool:
     """The engine being built was given an FP8 ``--kv-cache-dtype``."""
     from vllm.config import get_current_vllm_config_or_none

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvscale_plugin.heads import HeadLayout
+from kvscale_plugin.hosts.vllm.backendcopies import refresh as refresh_impl_copies
 from kvscale_plugin.hosts.vllm.layers import EngineConfig
 from kvscale_plugin.loadcycle import layer_record
 from kvscale_plugin.scales import ResolvedScales
@@ -80,6 +81,8 @@ def write_kv_scales(layer: torch.nn.Module, resolved: ResolvedScales) -> None:
             host.fill_(value)
         else:
             setattr(layer, name, torch.tensor(value, dtype=torch.float32))
+    # Last: what a GPU backend's impl computed from the floats (FlashInfer's bmm scales).
+    refresh_impl_copies(layer)
 
 
 def _fill_device(
