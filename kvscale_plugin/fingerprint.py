@@ -26,11 +26,14 @@ a consistent engine's digest equals the trainer's, a wrong copy changes it.
 
 The digest is the first 16 hex digits of the SHA-256 of ``kvscale-fp2\\n`` and the lines
 (each ending in ``\\n``). It fails closed: a fingerprint over no attention layer is an
-error (``FingerprintError``), never the digest of nothing. Host-free: imports torch only.
+error (``FingerprintError``), never the digest of nothing. Host-free: imports torch only
+(and, for a name only a third-party rule knows, the rule manager: ``kvscale_plugin.names``).
 
 Scale names a trainer may send, as the engines take them: ``<attention module>.k_scale``
-/ ``.v_scale``, ``<...>.k_proj.k_scale`` / ``k_proj.output_scale`` (and v), and the
-legacy single ``<...>.kv_scale`` (a k and a v line).
+/ ``.v_scale``, ``<...>.k_proj.k_scale`` / ``k_proj.output_scale`` (and v), the legacy
+single ``<...>.kv_scale`` (a k and a v line), and any name an installed third-party
+name-mapping rule package maps (``kvscale_plugin.names.map_scale_name``, the same rules
+the engine applies: keyed by the host name it maps to).
 """
 
 from __future__ import annotations
@@ -100,15 +103,21 @@ def canonical_lines(
     tp_size: int = 1,
     layers: Collection[int] | None = None,
     applied: bool = True,
+    host: str = "vllm",
+    model_type: str | None = None,
 ) -> list[str]:
     """The canonical lines of scale tensors as a checkpoint names them (``scale_kinds``,
-    under a numbered layer: ``layer_index``); other tensors are skipped, and so are
+    under a numbered layer: ``layer_index``; a name only a third-party rule knows: as the
+    rules map it for ``host`` and ``model_type``); other tensors are skipped, and so are
     layers not in ``layers`` (when given: a pipeline stage's, the engine's). ``applied``
     False: the engine's caches apply no scales (bf16), so it serves every value as 1.0."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     entries: dict[tuple[int, str], str] = {}
     for name, tensor in items:
         kinds = scale_kinds(name)
+        if not kinds and name.rsplit(".", 1)[-1] not in _NOT_SCALES:
+            name = _third_party_name(name, host, model_type) or name
+            kinds = scale_kinds(name)
         index = layer_index(name) if kinds else None
         if index is None or (layers is not None and index not in layers):
             continue
@@ -122,6 +131,19 @@ def canonical_lines(
     return [entries[key] for key in sorted(entries)]
 
 
+#: Tensor names (last part) no rule maps to a k/v scale: the weights a sync sends along
+#: are not offered to the rule packages one by one.
+_NOT_SCALES = frozenset({"weight", "bias", "weight_scale", "input_scale", "q_scale"})
+
+
+def _third_party_name(name: str, host: str, model_type: str | None) -> str | None:
+    """The host name installed name-mapping rules give ``name`` (None: no rule maps it).
+    The engine applies the same rules (``names.map_scale_name``) to what it is sent."""
+    from kvscale_plugin.names import map_scale_name
+
+    return map_scale_name(name, host, model_type)
+
+
 def scale_fingerprint(
     tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     *,
@@ -129,6 +151,8 @@ def scale_fingerprint(
     tp_size: int = 1,
     layers: Collection[int] | None = None,
     applied: bool = True,
+    host: str = "vllm",
+    model_type: str | None = None,
 ) -> str:
     """The fingerprint an engine (or its TP rank ``tp_rank`` of ``tp_size``) reports once
     it serves ``tensors``: the k/v scale tensors a trainer is about to send, named as a
@@ -137,10 +161,18 @@ def scale_fingerprint(
     whole update may be passed. ``layers``: only these layer indices (a pipeline-parallel
     worker serves its stage's: pass its ``worker_fingerprint(...)["layers"]``);
     ``applied``: the worker's ``["applied"]`` (False on a bf16 cache, which serves every
-    scale as 1.0: the lines then hold 1.0, so a bf16 engine and its trainer agree). Raises
+    scale as 1.0: the lines then hold 1.0, so a bf16 engine and its trainer agree);
+    ``host`` / ``model_type``: what third-party name-mapping rules are asked with (the
+    worker's ``["model_type"]``), for names only such a rule knows. Raises
     ``FingerprintError`` when no tensor is a k/v scale of a numbered layer (there)."""
     lines = canonical_lines(
-        tensors, tp_rank=tp_rank, tp_size=tp_size, layers=layers, applied=applied
+        tensors,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        layers=layers,
+        applied=applied,
+        host=host,
+        model_type=model_type,
     )
     if not lines:
         raise FingerprintError(

@@ -9,9 +9,18 @@ from kvscale_testing.checkpoints import read_stored_scales
 from kvscale_testing.probe import layer_index, layer_scales, vllm_engine
 from kvscale_testing.skips import needs_fp8_cpu_cache
 
+from kvscale_plugin.fingerprint import scale_fingerprint
+from kvscale_plugin.hosts.vllm.live import worker_fingerprint
+
 pytestmark = pytest.mark.engine
 
 ZOO = ("self_attn", "k_proj", "qkv_proj", "output_scale", "kv_scale")
+
+
+def _stored_tensors(ckpt) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(next(ckpt.glob("*.safetensors"))))
 
 
 def _assert_loaded(ckpt, scales):
@@ -38,6 +47,11 @@ def test_naming_zoo_per_family(tiny, family):
     )
     with vllm_engine(ckpt, quantization="kvscale") as llm:
         _assert_loaded(ckpt, layer_scales(llm))
+        (fp,) = llm.collective_rpc(worker_fingerprint)
+    # Every naming of the zoo: the engine's fingerprint is the trainer side's of the
+    # checkpoint's own tensors.
+    assert fp["fingerprint"] == scale_fingerprint(_stored_tensors(ckpt), layers=fp["layers"])
+    assert fp["layers"] == list(range(len(ZOO)))
 
 
 @needs_fp8_cpu_cache
@@ -53,8 +67,12 @@ def test_third_party_rule_package(tiny, kvscale_warnings, monkeypatch):
     ckpt = tiny("invented-naming", write_scales=False, extra_tensors=invented)
     with vllm_engine(ckpt, quantization="kvscale") as llm:
         scales = layer_scales(llm)
+        (fp,) = llm.collective_rpc(worker_fingerprint)
     got = {layer_index(n): (s.k, s.v) for n, s in scales.items()}
     assert got == {0: (2.25, 3.5), 1: (4.75, 5.125)}
+    # The trainer side of the invented names, through the same rule package.
+    want = scale_fingerprint(invented, layers=fp["layers"], model_type=fp["model_type"])
+    assert fp["fingerprint"] == want and fp["layers"] == [0, 1], fp
     # The deliberately broken rule package in the same distribution: one warning, named.
     broken = kvscale_warnings("'broken_rules'")
     assert len(broken) == 1, broken

@@ -25,6 +25,7 @@ from sglang_helpers import (  # noqa: E402
     layer_scales,
     per_head_checkpoint,
     per_head_tensor,
+    per_head_tensors,
     reload,
     resolve_kv_cache_dtype,
     update_weights_from_disk,
@@ -265,3 +266,31 @@ def test_rank_heads_are_taken_from_the_full_tensor(tiny, monkeypatch):
     )
     with pytest.raises(CorruptScaleError, match=r"layers\.1\.self_attn\.k_scale\[head 0\]"):
         build_model(bad)
+
+
+def test_fingerprint_names_the_layout_the_heads_were_placed_by(tiny, monkeypatch):
+    """DP attention: a rank's per-head scales are placed over the attention TP group
+    (here rank 0 of 2: head 0), not the full TP group (rank 3 of 4: head 1). The
+    fingerprint's answer names the attention-TP place, so the trainer's
+    ``scale_fingerprint`` of the same tensors at that place agrees (at the full TP rank it
+    would cover head 1 and disagree)."""
+    from kvscale_plugin.fingerprint import scale_fingerprint
+    from kvscale_plugin.hosts.sglang import live, method
+
+    monkeypatch.setattr(method, "_tp_layouts", lambda: [(0, 2), (3, 4)])
+    monkeypatch.setattr(live, "_tp", lambda: (3, 4))  # the full-TP rank SGLang reports
+    original = method._head_placement
+
+    def one_head(cfg, layer):
+        monkeypatch.setattr(layer, "tp_k_head_num", 1)
+        return original(cfg, layer)
+
+    monkeypatch.setattr(method, "_head_placement", one_head)
+    ckpt = per_head_checkpoint(tiny, "sgl-ph-llama-attn-tp", family="llama")
+    model, _ = build_model(ckpt)
+    assert_per_head(layer_scales(model), {i: ((k[0],), (v[0],)) for i, (k, v) in PER_HEAD.items()})
+    info = live.server_info(model.quant_config)
+    assert (info["tp_rank"], info["tp_size"]) == (0, 2), info
+    sent = per_head_tensors(PER_HEAD)
+    assert info["fingerprint"] == scale_fingerprint(sent, tp_rank=0, tp_size=2)
+    assert info["fingerprint"] != scale_fingerprint(sent, tp_rank=3, tp_size=4)

@@ -56,3 +56,33 @@ def test_broken_package_warns_once_and_is_skipped(fresh_manager, kvscale_warning
     warnings = kvscale_warnings("'broken_rules'")
     assert len(warnings) == 1
     assert "failed to load" in warnings[0] and "RuntimeError" in warnings[0]
+
+
+def test_the_trainer_fingerprint_takes_what_a_rule_package_maps(fresh_manager):
+    """``scale_fingerprint`` keys a name only a third-party rule knows as the engine does:
+    by the host name the rule maps it to (the engine fingerprints its layers, loaded
+    through the same rules)."""
+    import torch
+
+    from kvscale_plugin.fingerprint import canonical_lines, entry_line, scale_fingerprint
+
+    invented = {
+        "model.layers.0.attention.kv_quant.k": torch.tensor([2.25]),
+        "model.layers.0.attention.kv_quant.v": torch.tensor([3.5]),
+        "model.layers.1.attention.kv_quant.k": torch.tensor([4.75]),
+        "model.layers.1.attention.kv_quant.v": torch.tensor([5.125]),
+        "model.layers.1.mlp.down_proj.weight": torch.ones(2, 2),  # not offered to rules
+    }
+    builtin = {
+        f"model.layers.{i}.self_attn.{kind}_scale": t
+        for (i, kind), t in zip(
+            [(0, "k"), (0, "v"), (1, "k"), (1, "v")], list(invented.values())[:4], strict=True
+        )
+    }
+    assert canonical_lines(invented) == [
+        entry_line(0, "k", [2.25]),
+        entry_line(0, "v", [3.5]),
+        entry_line(1, "k", [4.75]),
+        entry_line(1, "v", [5.125]),
+    ]
+    assert scale_fingerprint(invented) == scale_fingerprint(builtin)

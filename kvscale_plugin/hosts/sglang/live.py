@@ -37,7 +37,7 @@ from kvscale_plugin._log import shorten, warn_once
 from kvscale_plugin.fingerprint import digest, layer_index
 from kvscale_plugin.livecopies import Copy, LiveState
 from kvscale_plugin.loadcycle import LayerRecord, layer_record
-from kvscale_plugin.scales import ResolvedScales
+from kvscale_plugin.scales import ResolvedScales, rank_kv_heads
 
 logger = logging.getLogger("kvscale_plugin")
 
@@ -145,14 +145,40 @@ def _tp() -> tuple[int, int]:
         return 0, 1
 
 
+def _placement(attention: Iterable[torch.nn.Module]) -> tuple[int, int]:
+    """The (rank, size) this rank's per-head scales were placed by -- SGLang splits a
+    layer's heads over the attention TP group (DP attention) or the full TP group, and
+    ``HeadLayout.place`` took the one that gives the layer its heads -- which is what
+    ``scale_fingerprint(tp_rank=, tp_size=)`` needs; the full TP rank where no layer is
+    per-head (its lines do not depend on it)."""
+    from kvscale_plugin.hosts.sglang.method import _tp_layouts
+
+    layouts = _tp_layouts()
+    for layer in attention:
+        record = layer_record(layer)
+        placed = getattr(getattr(record, "heads", None), "heads", None)
+        if placed is None:
+            continue
+        for rank, size in layouts:
+            try:
+                if rank_kv_heads(record.heads.total_kv, rank, size) == placed:
+                    return rank, size
+            except ValueError:
+                continue
+    return _tp()
+
+
 def server_info(cfg: Any) -> dict[str, Any]:
     """What ``Engine.get_server_info()["internal_states"][i]["kvscale"]`` holds: the
     fingerprint of what this scheduler's model serves (compare
     ``fingerprint.scale_fingerprint`` of the tensors sent), the update counter (scales
     taken, the start-up load counted), the layer indices it covers, whether every copy
-    agrees with the served tensors, and this rank's place."""
-    lines = fingerprint_lines(layers(cfg))
-    tp_rank, tp_size = _tp()
+    agrees with the served tensors, and this rank's place: ``tp_rank`` / ``tp_size`` as
+    its per-head scales are placed (the attention TP group under DP attention), what
+    ``scale_fingerprint`` is given."""
+    attention = layers(cfg)
+    lines = fingerprint_lines(attention)
+    tp_rank, tp_size = _placement(attention)
     live = state(cfg)
     return {
         "fingerprint": digest(lines) if lines else None,  # None: no layer (fails closed)

@@ -165,6 +165,8 @@ def worker_fingerprint(worker: Any) -> dict[str, Any]:
         "consistent": not any(line.startswith("!") for line in lines),
         # False: a bf16 cache, which serves every scale as 1.0 (scale_fingerprint(applied=))
         "applied": bool(served),
+        # What third-party name-mapping rules are asked with (scale_fingerprint(model_type=)).
+        "model_type": next((c.model_type for c in configs.values()), None),
         "tp_rank": get_tensor_model_parallel_rank(),
         "tp_size": get_tensor_model_parallel_world_size(),
         "pp_rank": get_pp_group().rank_in_group,
