@@ -30,8 +30,38 @@ from kvscale_testing.families import (
 )
 from kvscale_testing.probe import FP8_CPU_REFUSAL, LayerScales, layer_scales, vllm_engine
 
-#: The fingerprint each kvscale engine of the sweep reported (family -> its answer).
+#: The fingerprint each kvscale engine of the sweep reported (family -> its answer), and
+#: after a scales-only update of every scale through ``model.load_weights`` (an RL sync).
 FINGERPRINTS: dict[str, dict] = {}
+UPDATED: dict[str, dict] = {}
+#: The update: every checkpoint scale tensor, under its own name, times this.
+UPDATE_FACTOR = 2.0
+
+
+def checkpoint_scales(ckpt: Path) -> dict:
+    """The checkpoint's k/v scale tensors, named as on disk."""
+    from safetensors.torch import load_file
+
+    from kvscale_plugin.fingerprint import scale_kinds
+
+    tensors = {}
+    for path in sorted(ckpt.glob("*.safetensors")):
+        tensors.update({n: t for n, t in load_file(str(path)).items() if scale_kinds(n)})
+    return tensors
+
+
+def _sync_and_fingerprint(llm, ckpt: Path) -> dict:
+    """A trainer's scales-only sync of every scale (times ``UPDATE_FACTOR``), then the
+    engine's fingerprint; a failure is the answer's ``error``."""
+    from kvscale_plugin.hosts.vllm.live import worker_fingerprint
+
+    sent = [(n, t * UPDATE_FACTOR) for n, t in checkpoint_scales(ckpt).items()]
+    try:
+        llm.collective_rpc(lambda worker: worker.model_runner.get_model().load_weights(sent))
+        [answer] = llm.collective_rpc(worker_fingerprint)
+        return answer
+    except Exception as exc:  # noqa: BLE001 - reported by the check, naming the family
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def served(ckpt: Path, quantization: str | None) -> dict[str, LayerScales] | str:
@@ -45,6 +75,7 @@ def served(ckpt: Path, quantization: str | None) -> dict[str, LayerScales] | str
             scales = layer_scales(llm)
             if quantization:
                 [FINGERPRINTS[ckpt.name]] = llm.collective_rpc(worker_fingerprint)
+                UPDATED[ckpt.name] = _sync_and_fingerprint(llm, ckpt)
     except Exception as exc:  # noqa: BLE001 - what stock does on the checkpoint is the datum
         scales = getattr(exc, "kvscale_loaded_scales", None)
         if scales is None or FP8_CPU_REFUSAL not in str(exc):
@@ -84,23 +115,30 @@ def check_family(family: Family, root: Path) -> None:
 def _check_fingerprint(family: Family, ckpt: Path) -> None:
     """Where the engine started (an FP8 CPU): its fingerprint covers every attention layer
     the checkpoint has scales for and equals the trainer side's over the checkpoint's own
-    tensors (``scale_fingerprint``), never over no layer."""
-    from safetensors.torch import load_file
-
-    from kvscale_plugin.fingerprint import scale_fingerprint, scale_kinds
+    tensors (``scale_fingerprint``), never over no layer; and so after a scales-only sync
+    of every scale through ``model.load_weights``."""
+    from kvscale_plugin.fingerprint import scale_fingerprint
 
     fp = FINGERPRINTS.pop(ckpt.name, None)
+    after = UPDATED.pop(ckpt.name, None)
     if fp is None:
         return  # the FP8 cache was refused here after loading: no engine to ask
-    tensors = {}
-    for path in sorted(ckpt.glob("*.safetensors")):
-        tensors.update({n: t for n, t in load_file(str(path)).items() if scale_kinds(n)})
+    tensors = checkpoint_scales(ckpt)
     assert fp["fingerprint"] is not None and fp["layers"], (family.name, fp)
     assert fp["consistent"], (family.name, fp)
     want = scale_fingerprint(tensors, layers=fp["layers"], applied=fp["applied"])
     assert fp["fingerprint"] == want, (family.name, fp, sorted(tensors))
     # every layer the checkpoint has scales for is covered (the engine's own numbering)
     assert set(stored_scales(ckpt)) <= set(fp["layers"]), (family.name, fp["layers"])
+    # The sync: taken on every layer, and the trainer side of what was sent agrees.
+    assert after is not None and "error" not in after, (family.name, after)
+    sent = {n: t * UPDATE_FACTOR for n, t in tensors.items()}
+    want = scale_fingerprint(sent, layers=after["layers"], applied=after["applied"])
+    assert after["fingerprint"] == want and after["consistent"], (family.name, after)
+    assert after["layers"] == fp["layers"], (family.name, after["layers"], fp["layers"])
+    assert after["updates"] == fp["updates"] + 1, (family.name, fp, after)
+    if fp["applied"]:
+        assert after["fingerprint"] != fp["fingerprint"], (family.name, after)
 
 
 def _check_inspect(

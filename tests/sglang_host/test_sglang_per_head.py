@@ -238,13 +238,12 @@ def test_place_kv_heads_uses_the_layout_that_matches_the_layer():
     assert "cannot place 4 per-head scales onto this layer's 3 KV head(s)" in str(missing.problem)
 
 
-def test_rank_heads_are_taken_from_the_full_tensor(tiny, monkeypatch):
-    # A rank that holds head 1 only (rank 1 of 2, 2 KV heads) -- simulated by giving the
-    # layer one KV head on this single-process group: the full tensor is validated, the
-    # rank keeps head 1, and serves it exactly (no max over heads it does not hold).
+def _one_head_per_rank(monkeypatch, layouts: list[tuple[int, int]]) -> None:
+    """A rank of the ``layouts`` (attention TP first, then TP) whose layers hold one KV
+    head each -- simulated on this single-process group."""
     from kvscale_plugin.hosts.sglang import method
 
-    monkeypatch.setattr(method, "_tp_layouts", lambda: [(1, 2)])
+    monkeypatch.setattr(method, "_tp_layouts", lambda: layouts)
     original = method._head_placement
 
     def one_head(cfg, layer):
@@ -252,6 +251,13 @@ def test_rank_heads_are_taken_from_the_full_tensor(tiny, monkeypatch):
         return original(cfg, layer)
 
     monkeypatch.setattr(method, "_head_placement", one_head)
+
+
+def test_rank_heads_are_taken_from_the_full_tensor(tiny, monkeypatch):
+    # A rank that holds head 1 only (rank 1 of 2, 2 KV heads) -- simulated by giving the
+    # layer one KV head on this single-process group: the full tensor is validated, the
+    # rank keeps head 1, and serves it exactly (no max over heads it does not hold).
+    _one_head_per_rank(monkeypatch, [(1, 2)])
     ckpt = per_head_checkpoint(tiny, "sgl-ph-llama-rank1", family="llama")
     model, _ = build_model(ckpt)
     expected = {i: ((k[1],), (v[1],)) for i, (k, v) in PER_HEAD.items()}
@@ -275,17 +281,10 @@ def test_fingerprint_names_the_layout_the_heads_were_placed_by(tiny, monkeypatch
     ``scale_fingerprint`` of the same tensors at that place agrees (at the full TP rank it
     would cover head 1 and disagree)."""
     from kvscale_plugin.fingerprint import scale_fingerprint
-    from kvscale_plugin.hosts.sglang import live, method
+    from kvscale_plugin.hosts.sglang import live
 
-    monkeypatch.setattr(method, "_tp_layouts", lambda: [(0, 2), (3, 4)])
+    _one_head_per_rank(monkeypatch, [(0, 2), (3, 4)])
     monkeypatch.setattr(live, "_tp", lambda: (3, 4))  # the full-TP rank SGLang reports
-    original = method._head_placement
-
-    def one_head(cfg, layer):
-        monkeypatch.setattr(layer, "tp_k_head_num", 1)
-        return original(cfg, layer)
-
-    monkeypatch.setattr(method, "_head_placement", one_head)
     ckpt = per_head_checkpoint(tiny, "sgl-ph-llama-attn-tp", family="llama")
     model, _ = build_model(ckpt)
     assert_per_head(layer_scales(model), {i: ((k[0],), (v[0],)) for i, (k, v) in PER_HEAD.items()})

@@ -36,32 +36,34 @@ def _quantized(impl: Any) -> bool:
     return dtype.startswith(("fp8", "nvfp4")) or dtype.endswith("per_token_head")
 
 
+def _bmm_scales(impl: Any, layer: Any, bmm2_float: str) -> dict[str, float]:
+    """FlashInfer's kept pair: bmm1 from the q and k floats, bmm2 from ``bmm2_float``
+    (quantized caches only; 1.0 otherwise, as the backend starts them)."""
+    bmm1 = impl.scale
+    bmm2 = 1.0
+    if _quantized(impl):
+        bmm1 *= layer._q_scale_float * layer._k_scale_float
+        bmm2 *= getattr(layer, bmm2_float)
+    return {"bmm1_scale": bmm1, "bmm2_scale": bmm2}
+
+
 def _flashinfer(impl: Any, layer: Any) -> dict[str, float]:
     # flashinfer.py FlashInferImpl.forward (0.32 :2042-2050, 0.33 :2223-2231, 0.34
     # :2254-2262), and its output-quant step (0.32 :2092-2097): once the output scale
     # is known (``layer._o_scale_float``), an FP8 output divides bmm2 by it (``o_sf_scale``
     # stays None); an FP4 output sets ``o_sf_scale`` instead.
-    bmm1 = impl.scale
-    bmm2 = 1.0
-    if _quantized(impl):
-        bmm1 *= layer._q_scale_float * layer._k_scale_float
-        bmm2 *= layer._v_scale_float
+    kept = _bmm_scales(impl, layer, "_v_scale_float")
     o_scale = getattr(layer, "_o_scale_float", None)
     if o_scale is not None and getattr(impl, "o_sf_scale", None) is None:
-        bmm2 = bmm2 / o_scale
-    return {"bmm1_scale": bmm1, "bmm2_scale": bmm2}
+        kept["bmm2_scale"] = kept["bmm2_scale"] / o_scale
+    return kept
 
 
 def _flashinfer_mla(impl: Any, layer: Any) -> dict[str, float]:
     # mla/flashinfer_mla.py forward_mqa (0.32/0.33 :371-379, 0.34 :381-389) and
     # mla/flashinfer_mla_sparse.py _prepare_mqa_kernel: MLA's V is the latent, so bmm2
     # takes the k scale.
-    bmm1 = impl.scale
-    bmm2 = 1.0
-    if _quantized(impl):
-        bmm1 *= layer._q_scale_float * layer._k_scale_float
-        bmm2 *= layer._k_scale_float
-    return {"bmm1_scale": bmm1, "bmm2_scale": bmm2}
+    return _bmm_scales(impl, layer, "_k_scale_float")
 
 
 def _tokenspeed_mla(impl: Any, layer: Any) -> dict[str, float]:
