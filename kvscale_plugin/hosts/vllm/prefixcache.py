@@ -270,12 +270,14 @@ def _core_collective_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _note_core_epoch(core: Any) -> None:
-    refresh_from_workers(core)
     before = getattr(core, _CORE_EPOCH, None)
     now = _engine_epoch(core)
     setattr(core, _CORE_EPOCH, now)
     if before is None or now == before:
         return
+    # What the caches are written with changed: kvscale's connector learns the new state
+    # (a second question to the workers, asked only then).
+    refresh_from_workers(core)
     entries = [{entry for worker in epoch for entry in worker} for epoch in (now, before)]
     changed = sorted({name for (name, _k, _v) in entries[0] ^ entries[1]})
     scheduler = core.scheduler
