@@ -74,13 +74,6 @@ def worker_part(worker: Any) -> Part | None:
     return layers_part(engine_layers(worker))
 
 
-def _config_part(vllm_config: Any) -> Part | None:
-    context = getattr(
-        getattr(vllm_config, "compilation_config", None), "static_forward_context", {}
-    )
-    return layers_part(dict(context).values())
-
-
 def scheduler_connector(scheduler: Any) -> Any:
     """The scheduler's connector when it is one of these (else None)."""
     connector = getattr(scheduler, "connector", None)
@@ -112,7 +105,9 @@ class _ScaleStateMixin:
 
     def get_handshake_metadata(self) -> Any:  # worker side
         inner = super().get_handshake_metadata()  # type: ignore[misc]
-        return KVScaleHandshake(_config_part(self._vllm_config), inner)  # type: ignore[attr-defined]
+        from kvscale_plugin.hosts.vllm.layers import config_layers
+
+        return KVScaleHandshake(layers_part(config_layers(self._vllm_config)), inner)  # type: ignore[attr-defined]
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[Any, Any]) -> None:
         parts = [m.part for m in metadata.values() if isinstance(m, KVScaleHandshake)]

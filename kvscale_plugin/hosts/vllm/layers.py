@@ -75,7 +75,11 @@ def layer_serves_checkpoint_scales(verdict: SchemeVerdict, layer: Any) -> bool:
 def engine_layers(worker: Any) -> list[torch.nn.Module]:
     """Every attention layer of the worker's engine (target and draft) served by kvscale's
     KV method: vLLM registers each in the engine's forward context, by name."""
-    config = getattr(worker, "vllm_config", None)
+    return config_layers(getattr(worker, "vllm_config", None))
+
+
+def config_layers(config: Any) -> list[torch.nn.Module]:
+    """``engine_layers`` of the engine whose ``VllmConfig`` is ``config``."""
     context = getattr(getattr(config, "compilation_config", None), "static_forward_context", {})
     return [
         layer
