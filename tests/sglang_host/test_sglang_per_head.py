@@ -241,9 +241,9 @@ def test_place_kv_heads_uses_the_layout_that_matches_the_layer():
 def _one_head_per_rank(monkeypatch, layouts: list[tuple[int, int]]) -> None:
     """A rank of the ``layouts`` (attention TP first, then TP) whose layers hold one KV
     head each -- simulated on this single-process group."""
-    from kvscale_plugin.hosts.sglang import method
+    from kvscale_plugin.hosts.sglang import live, method
 
-    monkeypatch.setattr(method, "_tp_layouts", lambda: layouts)
+    monkeypatch.setattr(live, "tp_layouts", lambda: layouts)
     original = method._head_placement
 
     def one_head(cfg, layer):

@@ -135,6 +135,25 @@ def fingerprint_lines(attention: Iterable[torch.nn.Module]) -> list[str]:
     return livecopies.fingerprint_lines(chosen, COPIES, 2.0 if _fnuz() else 1.0)
 
 
+def tp_layouts() -> list[tuple[int, int]]:
+    """(rank, size) of the attention TP group, then of the TP group (where per-head scales
+    may be placed: ``method._head_placement``)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        layouts = []
+        for rank_attr, size_attr in (("attn_tp_rank", "attn_tp_size"), ("tp_rank", "tp_size")):
+            try:
+                rank, size = int(getattr(parallel, rank_attr)), int(getattr(parallel, size_attr))
+            except (AttributeError, RuntimeError, ValueError, TypeError):
+                continue
+            layouts.append((rank, size))
+        return layouts or [(0, 1)]
+    except ImportError:
+        return [(0, 1)]
+
+
 def _tp() -> tuple[int, int]:
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -151,9 +170,7 @@ def _placement(attention: Iterable[torch.nn.Module]) -> tuple[int, int]:
     ``HeadLayout.place`` took the one that gives the layer its heads -- which is what
     ``scale_fingerprint(tp_rank=, tp_size=)`` needs; the full TP rank where no layer is
     per-head (its lines do not depend on it)."""
-    from kvscale_plugin.hosts.sglang.method import _tp_layouts
-
-    layouts = _tp_layouts()
+    layouts = tp_layouts()
     for layer in attention:
         record = layer_record(layer)
         placed = getattr(getattr(record, "heads", None), "heads", None)

@@ -185,24 +185,6 @@ def _total_kv_heads(hf_config: Any) -> int | None:
     return None
 
 
-def _tp_layouts() -> list[tuple[int, int]]:
-    """(rank, size) of the attention TP group, then of the TP group."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        parallel = get_parallel()
-        layouts = []
-        for rank_attr, size_attr in (("attn_tp_rank", "attn_tp_size"), ("tp_rank", "tp_size")):
-            try:
-                rank, size = int(getattr(parallel, rank_attr)), int(getattr(parallel, size_attr))
-            except (AttributeError, RuntimeError, ValueError, TypeError):
-                continue
-            layouts.append((rank, size))
-        return layouts or [(0, 1)]
-    except ImportError:
-        return [(0, 1)]
-
-
 def _head_placement(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout | None:
     """None for per-tensor schemes; else which checkpoint heads this layer serves here
     (SGLang models split heads over the attention TP group or the full TP group, depending
@@ -210,7 +192,7 @@ def _head_placement(cfg: KVScaleConfig, layer: torch.nn.Module) -> HeadLayout | 
     if not cfg.kv_verdict.per_head:
         return None
     per_rank = getattr(layer, "tp_k_head_num", None)
-    layouts = _tp_layouts()
+    layouts = live.tp_layouts()
     total = _total_kv_heads(cfg.hf_config)
     if total is None:
         # No HF config: the partitioned layout (exact whenever total >= tp size).
