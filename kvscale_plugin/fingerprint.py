@@ -116,7 +116,11 @@ def canonical_lines(
     for name, tensor in items:
         kinds = scale_kinds(name)
         if not kinds and name.rsplit(".", 1)[-1] not in _NOT_SCALES:
-            name = _third_party_name(name, host, model_type) or name
+            # A name only a third-party rule knows: keyed by the host name the rules give
+            # it, as the engine applies them to what it is sent.
+            from kvscale_plugin.names import map_scale_name
+
+            name = map_scale_name(name, host, model_type) or name
             kinds = scale_kinds(name)
         index = layer_index(name) if kinds else None
         if index is None or (layers is not None and index not in layers):
@@ -134,14 +138,6 @@ def canonical_lines(
 #: Tensor names (last part) no rule maps to a k/v scale: the weights a sync sends along
 #: are not offered to the rule packages one by one.
 _NOT_SCALES = frozenset({"weight", "bias", "weight_scale", "input_scale", "q_scale"})
-
-
-def _third_party_name(name: str, host: str, model_type: str | None) -> str | None:
-    """The host name installed name-mapping rules give ``name`` (None: no rule maps it).
-    The engine applies the same rules (``names.map_scale_name``) to what it is sent."""
-    from kvscale_plugin.names import map_scale_name
-
-    return map_scale_name(name, host, model_type)
 
 
 def scale_fingerprint(

@@ -24,12 +24,15 @@ class HeadLayout:
 
     ``heads``: the indices of the per-head scales this rank serves, or ``None`` with
     ``problem`` saying why they cannot be placed. ``total_q``: the query heads (a per-head
-    q scale, as llm-compressor writes one, has one value per query head)."""
+    q scale, as llm-compressor writes one, has one value per query head). ``placed_by``:
+    the ``(tp_rank, tp_size)`` layout ``place`` found them under (what a fingerprint of
+    this rank's heads is computed at)."""
 
     total_kv: int
     total_q: int
     heads: tuple[int, ...] | None
     problem: str | None = None
+    placed_by: tuple[int, int] | None = None
 
     @classmethod
     def place(
@@ -44,7 +47,7 @@ class HeadLayout:
             except ValueError:
                 continue
             if len(heads) == local:
-                return cls(total_kv, total_q or total_kv, heads)
+                return cls(total_kv, total_q or total_kv, heads, placed_by=(rank, size))
             tried.append(f"rank {rank} of {size}")
         return cls(
             total_kv,

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
+from kvscale_testing.checkpoints import checkpoint_scale_tensors
 from kvscale_testing.families import (
     Family,
     build_family_checkpoint,
@@ -38,24 +39,12 @@ UPDATED: dict[str, dict] = {}
 UPDATE_FACTOR = 2.0
 
 
-def checkpoint_scales(ckpt: Path) -> dict:
-    """The checkpoint's k/v scale tensors, named as on disk."""
-    from safetensors.torch import load_file
-
-    from kvscale_plugin.fingerprint import scale_kinds
-
-    tensors = {}
-    for path in sorted(ckpt.glob("*.safetensors")):
-        tensors.update({n: t for n, t in load_file(str(path)).items() if scale_kinds(n)})
-    return tensors
-
-
 def _sync_and_fingerprint(llm, ckpt: Path) -> dict:
     """A trainer's scales-only sync of every scale (times ``UPDATE_FACTOR``), then the
     engine's fingerprint; a failure is the answer's ``error``."""
     from kvscale_plugin.hosts.vllm.live import worker_fingerprint
 
-    sent = [(n, t * UPDATE_FACTOR) for n, t in checkpoint_scales(ckpt).items()]
+    sent = [(n, t * UPDATE_FACTOR) for n, t in checkpoint_scale_tensors(ckpt).items()]
     try:
         llm.collective_rpc(lambda worker: worker.model_runner.get_model().load_weights(sent))
         [answer] = llm.collective_rpc(worker_fingerprint)
@@ -123,7 +112,7 @@ def _check_fingerprint(family: Family, ckpt: Path) -> None:
     after = UPDATED.pop(ckpt.name, None)
     if fp is None:
         return  # the FP8 cache was refused here after loading: no engine to ask
-    tensors = checkpoint_scales(ckpt)
+    tensors = checkpoint_scale_tensors(ckpt)
     assert fp["fingerprint"] is not None and fp["layers"], (family.name, fp)
     assert fp["consistent"], (family.name, fp)
     want = scale_fingerprint(tensors, layers=fp["layers"], applied=fp["applied"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvscale_testing.checkpoints import read_stored_scales
+from kvscale_testing.checkpoints import checkpoint_scale_tensors, read_stored_scales
 from kvscale_testing.probe import layer_index, layer_scales, vllm_engine
 from kvscale_testing.skips import needs_fp8_cpu_cache
 
@@ -15,12 +15,6 @@ from kvscale_plugin.hosts.vllm.live import worker_fingerprint
 pytestmark = pytest.mark.engine
 
 ZOO = ("self_attn", "k_proj", "qkv_proj", "output_scale", "kv_scale")
-
-
-def _stored_tensors(ckpt) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(next(ckpt.glob("*.safetensors"))))
 
 
 def _assert_loaded(ckpt, scales):
@@ -50,7 +44,8 @@ def test_naming_zoo_per_family(tiny, family):
         (fp,) = llm.collective_rpc(worker_fingerprint)
     # Every naming of the zoo: the engine's fingerprint is the trainer side's of the
     # checkpoint's own tensors.
-    assert fp["fingerprint"] == scale_fingerprint(_stored_tensors(ckpt), layers=fp["layers"])
+    sent = checkpoint_scale_tensors(ckpt)
+    assert fp["fingerprint"] == scale_fingerprint(sent, layers=fp["layers"])
     assert fp["layers"] == list(range(len(ZOO)))
 
 

@@ -24,10 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _server import openai_server
-from kvscale_testing.checkpoints import reference_token_ids
+from kvscale_testing.checkpoints import checkpoint_scale_tensors, reference_token_ids
 from kvscale_testing.probe import teacher_forced_logprobs, vllm_engine
 from kvscale_testing.skips import KV_DTYPE, follows_cpu_fp8
-from safetensors.torch import load_file
 
 from kvscale_plugin.fingerprint import scale_fingerprint
 from kvscale_plugin.hosts.vllm.extension import QUALNAME
@@ -133,8 +132,7 @@ def test_data_parallel_server_answers_a_burst_correctly(tiny, tmp_path):
     # Both replicas answered the by-name check, each naming itself, each serving the
     # checkpoint's scales (what a trainer holding those tensors computes).
     assert sorted((fp["dp_rank"], fp["dp_size"]) for fp in by_name) == [(0, DP), (1, DP)], by_name
-    stored = load_file(str(next(ckpt.glob("*.safetensors"))))
-    scales = [(n, t) for n, t in stored.items() if n.endswith(("k_scale", "v_scale"))]
+    scales = checkpoint_scale_tensors(ckpt)
     for fp in by_name:
         assert fp["consistent"] and fp["applied"] is (KV_DTYPE == "auto"), fp
         want = scale_fingerprint(scales, layers=fp["layers"], applied=fp["applied"])

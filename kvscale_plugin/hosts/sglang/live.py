@@ -37,7 +37,7 @@ from kvscale_plugin._log import shorten, warn_once
 from kvscale_plugin.fingerprint import digest, layer_index
 from kvscale_plugin.livecopies import Copy, LiveState
 from kvscale_plugin.loadcycle import LayerRecord, layer_record
-from kvscale_plugin.scales import ResolvedScales, rank_kv_heads
+from kvscale_plugin.scales import ResolvedScales
 
 logger = logging.getLogger("kvscale_plugin")
 
@@ -165,23 +165,14 @@ def _tp() -> tuple[int, int]:
 
 
 def _placement(attention: Iterable[torch.nn.Module]) -> tuple[int, int]:
-    """The (rank, size) this rank's per-head scales were placed by -- SGLang splits a
-    layer's heads over the attention TP group (DP attention) or the full TP group, and
-    ``HeadLayout.place`` took the one that gives the layer its heads -- which is what
+    """The (rank, size) this rank's per-head scales were placed by (``HeadLayout.placed_by``:
+    the attention TP group under DP attention, or the full TP group), which is what
     ``scale_fingerprint(tp_rank=, tp_size=)`` needs; the full TP rank where no layer is
     per-head (its lines do not depend on it)."""
-    layouts = tp_layouts()
     for layer in attention:
-        record = layer_record(layer)
-        placed = getattr(getattr(record, "heads", None), "heads", None)
-        if placed is None:
-            continue
-        for rank, size in layouts:
-            try:
-                if rank_kv_heads(record.heads.total_kv, rank, size) == placed:
-                    return rank, size
-            except ValueError:
-                continue
+        placed = getattr(getattr(layer_record(layer), "heads", None), "placed_by", None)
+        if placed is not None:
+            return placed
     return _tp()
 
 

@@ -141,71 +141,58 @@ FLOAT_READERS: dict[tuple[str, str], str] = {
 }
 
 
-def impl_of(layer: Any) -> Any:
-    return getattr(layer, "impl", None)
-
-
-def _key(impl: Any) -> tuple[str, str]:
-    cls = type(impl)
-    return cls.__module__, cls.__name__
-
-
-def cache_of(impl: Any) -> ImplCache | None:
-    """The table's entry for ``impl``'s class (its own or a base's), or None."""
+def _in_table(layer: Any, table: dict[tuple[str, str], Any]) -> Any:
+    """``table``'s entry for the class of ``layer``'s impl (its own or a base's), or None."""
+    impl = getattr(layer, "impl", None)
+    if impl is None:
+        return None
     for cls in type(impl).__mro__:
-        found = _BY_CLASS.get((cls.__module__, cls.__name__))
+        found = table.get((cls.__module__, cls.__name__))
         if found is not None:
             return found
     return None
 
 
-def stale(layer: Any) -> list[tuple[str, float, float]]:
-    """``(impl.attr, held, in force)`` for each value ``layer``'s impl keeps that is not
-    what the backend would compute from the floats in force (a value not computed yet,
-    None, is never stale: the backend computes it from the floats at its next forward)."""
-    impl = impl_of(layer)
-    entry = cache_of(impl) if impl is not None else None
+def _kept(layer: Any) -> list[tuple[str, float, float]]:
+    """``(attr, held, in force)`` for each value ``layer``'s impl keeps (computed already:
+    None is left to the backend, which computes it from the floats at its next forward)."""
+    entry: ImplCache | None = _in_table(layer, _BY_CLASS)
     if entry is None:
         return []
+    impl = layer.impl
     try:
         want = entry.compute(impl, layer)
     except (AttributeError, TypeError):  # floats not set yet: nothing computed from them
         return []
-    out = []
-    for attr in entry.attrs:
-        held = getattr(impl, attr, None)
-        if held is not None and float(held) != float(want[attr]):
-            out.append((f"impl.{attr}", float(held), float(want[attr])))
-    return out
+    return [
+        (attr, float(held), float(want[attr]))
+        for attr in entry.attrs
+        if (held := getattr(impl, attr, None)) is not None
+    ]
+
+
+def stale(layer: Any) -> list[tuple[str, float, float]]:
+    """``(impl.attr, held, in force)`` for each value ``layer``'s impl keeps that is not
+    what the backend would compute from the floats in force."""
+    return [(f"impl.{attr}", held, want) for attr, held, want in _kept(layer) if held != want]
 
 
 def refresh(layer: Any) -> list[tuple[str, float, float]]:
     """Bring the values ``layer``'s impl keeps to the scales in force, computed as the
     backend computes them (never reset to None: the backend's own recomputation of a
     FlashInfer bmm2 would drop the output-quant divisor). Returns what was stale."""
-    wrong = stale(layer)
-    if wrong:
-        impl = impl_of(layer)
-        entry = cache_of(impl)
-        assert entry is not None
-        want = entry.compute(impl, layer)
-        for attr in entry.attrs:
-            if getattr(impl, attr, None) is not None:
-                setattr(impl, attr, want[attr])
+    wrong = []
+    for attr, held, want in _kept(layer):
+        if held != want:
+            setattr(layer.impl, attr, want)
+            wrong.append((f"impl.{attr}", held, want))
     return wrong
 
 
 def float_reader(layer: Any) -> str | None:
     """The registry name of ``layer``'s backend when its forward reads the scale floats
     (what a full CUDA graph bakes in), else None."""
-    impl = impl_of(layer)
-    if impl is None:
-        return None
-    for cls in type(impl).__mro__:
-        name = FLOAT_READERS.get((cls.__module__, cls.__name__))
-        if name is not None:
-            return name
-    return None
+    return _in_table(layer, FLOAT_READERS)
 
 
 def replays_full_graphs(vllm_config: Any) -> bool:

@@ -25,7 +25,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from kvscale_plugin import QUANTIZATION_METHOD
+from kvscale_plugin.hosts.vllm.layers import serves_kvscale
 
 #: The qualified name to pass as ``worker_extension_cls``.
 QUALNAME = "kvscale_plugin.hosts.vllm.extension.KVScaleWorkerExtension"
@@ -51,11 +51,6 @@ class KVScaleWorkerExtension:
         return worker_check(self)
 
 
-def _is_kvscale(client: Any) -> bool:
-    model_config = getattr(getattr(client, "vllm_config", None), "model_config", None)
-    return getattr(model_config, "quantization", None) == QUANTIZATION_METHOD
-
-
 def _all_answers(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     async def collective_rpc_async(
@@ -65,7 +60,7 @@ def _all_answers(original: Callable[..., Any]) -> Callable[..., Any]:
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if not (isinstance(method, str) and method in BY_NAME and _is_kvscale(self)):
+        if not (isinstance(method, str) and method in BY_NAME and serves_kvscale(self)):
             return await original(self, method, timeout, args, kwargs)
         import asyncio
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin.loadcycle import Cycle, layer_record
 from kvscale_plugin.scales import CorruptScales
 from kvscale_plugin.scheme import SchemeVerdict
@@ -70,6 +71,13 @@ def layer_serves_checkpoint_scales(verdict: SchemeVerdict, layer: Any) -> bool:
 
     dtype = str(layer.kv_cache_dtype)
     return serves_checkpoint_scales(verdict, dtype, quantized=is_quantized_kv_cache(dtype))
+
+
+def serves_kvscale(owner: Any) -> bool:
+    """Whether ``owner`` (an engine core, scheduler or engine client: it holds the
+    ``vllm_config``) belongs to a ``-q kvscale`` engine."""
+    model_config = getattr(getattr(owner, "vllm_config", None), "model_config", None)
+    return getattr(model_config, "quantization", None) == QUANTIZATION_METHOD
 
 
 def engine_layers(worker: Any) -> list[torch.nn.Module]:

@@ -38,7 +38,6 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvscale_plugin import QUANTIZATION_METHOD
 from kvscale_plugin._log import shorten, warn_once
 from kvscale_plugin.hosts.vllm.connectors import (
     note_local,
@@ -50,6 +49,7 @@ from kvscale_plugin.hosts.vllm.layers import (
     engine_layers,
     kvscale_config,
     layer_serves_checkpoint_scales,
+    serves_kvscale,
 )
 from kvscale_plugin.livecopies import epoch
 from kvscale_plugin.loadcycle import layer_record
@@ -84,7 +84,8 @@ _GENERATION = [0]
 def note_scales(cfg: Any, live_state: Any) -> None:
     """After a load or update of ``cfg``'s layers (worker side): a new generation when what
     its FP8 caches are written with changed (not at the first look: nothing was cached)."""
-    now = layers_epoch(cfg.attention_layers())
+    layers = cfg.attention_layers()
+    now = layers_epoch(layers)
     before, live_state.epoch = live_state.epoch, now
     if before is None or now != before:  # a bf16 cache's state never changes after this
         note_local(cfg)
@@ -93,9 +94,7 @@ def note_scales(cfg: Any, live_state: Any) -> None:
         logger.debug("kvscale: the KV scales in force changed (generation %d)", _GENERATION[0])
         from kvscale_plugin.hosts.vllm.backendcopies import warn_captured_graphs
 
-        warn_captured_graphs(
-            cfg.warn_scope, cfg.attention_layers(), bool(getattr(cfg, "full_cuda_graphs", False))
-        )
+        warn_captured_graphs(cfg.warn_scope, layers, bool(cfg.full_cuda_graphs))
 
 
 # -- the scheduler side ---------------------------------------------------------------
@@ -105,13 +104,6 @@ _PENDING = "_kvscale_reset_pending"
 _PREEMPTED = "_kvscale_reset_preempted"
 _CORE_EPOCH = "_kvscale_scale_epoch"
 _WRAPPED = "__kvscale_prefix_reset__"
-
-
-def _is_kvscale(owner: Any) -> bool:
-    config = getattr(owner, "vllm_config", None)
-    return (
-        getattr(getattr(config, "model_config", None), "quantization", None) == QUANTIZATION_METHOD
-    )
 
 
 def mark_pending(scheduler: Any, changed: str) -> None:
@@ -181,7 +173,7 @@ def connector_to_reset(scheduler: Any) -> str | None:
 def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_kvscale(self):
+        if serves_kvscale(self):
             refresh_local(self)
             seen = getattr(self, _SEEN, None)
             if seen is None:
@@ -243,7 +235,7 @@ def _drain(core: Any, exc: BaseException) -> None:
 def _core_collective_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def collective_rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _is_kvscale(self):
+        if not serves_kvscale(self):
             return original(self, *args, **kwargs)
         if not hasattr(self, _CORE_EPOCH):
             setattr(self, _CORE_EPOCH, _engine_epoch(self))
